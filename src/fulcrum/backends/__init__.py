@@ -1,0 +1,46 @@
+"""The `Backend` seam: run one batch of one model; and the factory that picks one by platform."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Protocol
+
+from fulcrum.config import ModelConfig
+from fulcrum.errors import ConfigError
+from fulcrum.types import TensorMap
+
+
+class Backend(Protocol):
+    """One loaded copy of a model. `execute` blocks; it runs on its instance's own thread."""
+
+    def execute(self, inputs: TensorMap) -> TensorMap:
+        """Run a batch: every input and output is batched on axis 0 (when the model batches)."""
+        ...
+
+    def close(self) -> None:
+        """Release the model's resources."""
+        ...
+
+
+class BackendFactory(Protocol):
+    def __call__(self, config: ModelConfig, version_dir: Path) -> Backend: ...
+
+
+# platform -> "module:callable"; imported lazily so `import fulcrum` stays light.
+_FACTORIES = {
+    "echo": "fulcrum.backends.echo:EchoBackend",
+    "onnx": "fulcrum.backends.onnx:OnnxBackend",
+    "torch": "fulcrum.backends.torch:TorchBackend",
+    "python": "fulcrum.backends.python:PythonBackend",
+}
+
+
+def create_backend(config: ModelConfig, version_dir: Path) -> Backend:
+    """Load one instance of `config`'s model from `version_dir`."""
+    target = _FACTORIES.get(config.platform)
+    if target is None:
+        raise ConfigError(f"platform {config.platform!r} has no batch backend")
+    module_name, _, attr = target.partition(":")
+    factory: BackendFactory = getattr(importlib.import_module(module_name), attr)
+    return factory(config, version_dir)

@@ -1,0 +1,81 @@
+"""The one error tree: each class knows its HTTP status, so every layer raises and the server maps.
+
+    FulcrumError (500)
+    ├── InvalidInput (400)         bad request body, tensor, parameter
+    ├── NotFound (404)             unknown model, version or route
+    ├── PayloadTooLarge (413)      body over the configured limit
+    ├── Unavailable (503)          not ready, queue full (Retry-After), shutting down
+    │   └── QueueFull (503)
+    ├── DeadlineExceeded (504)     timed out in the queue; never ran
+    ├── ModelError (500)           the backend raised while running a batch
+    └── ConfigError (500)          malformed config.toml (names the file, key and value)
+"""
+
+from __future__ import annotations
+
+
+class FulcrumError(Exception):
+    """Base of every error Fulcrum raises on purpose."""
+
+    status_code = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def headers(self) -> dict[str, str]:
+        """Extra HTTP headers the response for this error carries."""
+        return {}
+
+
+class InvalidInput(FulcrumError):
+    """The request is malformed: bad JSON, unknown input, wrong datatype or shape."""
+
+    status_code = 400
+
+
+class NotFound(FulcrumError):
+    """No such model, version or route."""
+
+    status_code = 404
+
+
+class PayloadTooLarge(FulcrumError):
+    """The request body exceeds the configured limit."""
+
+    status_code = 413
+
+
+class Unavailable(FulcrumError):
+    """The server or model cannot take the request now; the client may retry later."""
+
+    status_code = 503
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+class QueueFull(Unavailable):
+    """The model's queue (for this priority level) is at `max_queue_size`."""
+
+
+class DeadlineExceeded(FulcrumError):
+    """The request's timeout passed while it waited in the queue; it never ran."""
+
+    status_code = 504
+
+
+class ModelError(FulcrumError):
+    """The backend raised while executing a batch; only that batch fails."""
+
+    status_code = 500
+
+
+class ConfigError(FulcrumError):
+    """A model's configuration is malformed."""
+
+    status_code = 500
