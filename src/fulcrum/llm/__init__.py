@@ -1,0 +1,1 @@
+"""Fulcrum's generative engine: continuous batching over a paged KV cache with prefix caching."""

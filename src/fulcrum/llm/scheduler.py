@@ -1,0 +1,243 @@
+"""Iteration-level scheduling: one token budget per step shared by running sequences (decodes and
+prefill chunks) and newly admitted ones; preemption by recompute when KV blocks run out."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from fulcrum.errors import ConfigError, FulcrumError, InvalidInput, QueueFull
+from fulcrum.llm.block_manager import BlockManager
+from fulcrum.llm.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What one model step computes, and who was preempted to make room for it."""
+
+    # seqs[i] computes token_ids[c : c + num_new_tokens[i]] at positions c.., where
+    # c = seqs[i].num_computed_tokens; it samples iff c + num_new_tokens[i] == seqs[i].num_tokens.
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # preempted (by recompute) this step
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the step has nothing to compute."""
+        return not self.seqs
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed this step across all sequences."""
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Schedule num_new_tokens of seq."""
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+    def remove(self, seq: Sequence) -> None:
+        """Unschedule seq (it was preempted later in the same step)."""
+        index = self.seqs.index(seq)
+        del self.seqs[index]
+        del self.num_new_tokens[index]
+
+
+class Scheduler:
+    """Decides each step which tokens of which sequences run, within the budget and KV memory.
+
+    max_num_batched_tokens is the latency/throughput dial: a small budget keeps every step short
+    (low inter-token latency, prompts chunked finely), a large one batches more prefill per step
+    (higher throughput and lower time to first token under load, slower steps for the decodes).
+    Not thread-safe: the engine calls it from one thread.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_num_waiting: int,
+    ) -> None:
+        if min(max_num_seqs, max_num_batched_tokens, max_num_waiting) < 1:
+            raise ConfigError(
+                f"max_num_seqs ({max_num_seqs}), max_num_batched_tokens "
+                f"({max_num_batched_tokens}) and max_num_waiting ({max_num_waiting}) must be >= 1"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_waiting = max_num_waiting
+        self.num_preemptions = 0  # cumulative
+        self._waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self._running: list[Sequence] = []  # in admission order
+        self._seqs: dict[int, Sequence] = {}  # every waiting or running sequence by id
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding KV blocks and scheduled every step."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for admission (preempted ones included)."""
+        return len(self._waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """True while any sequence is waiting or running."""
+        return bool(self._seqs)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The waiting or running sequence with this id, if any."""
+        return self._seqs.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; QueueFull when max_num_waiting are already queued."""
+        if seq.seq_id in self._seqs:
+            raise InvalidInput(f"sequence id {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise InvalidInput(f"sequence {seq.seq_id} is not a new sequence")
+        seq.sampling.validate()
+        # The last sampled token is never computed, so it needs no KV slot.
+        num_max_kv_tokens = seq.num_prompt_tokens + seq.sampling.max_tokens - 1
+        num_kv_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_max_kv_tokens > num_kv_tokens:
+            raise InvalidInput(
+                f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens "
+                f"({seq.sampling.max_tokens}) exceeds the KV cache ({num_kv_tokens} tokens)"
+            )
+        if len(self._waiting) >= self.max_num_waiting:
+            raise QueueFull(f"{len(self._waiting)} sequences are waiting (max_num_waiting)")
+        self._enqueue(seq)
+        self._seqs[seq.seq_id] = seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Remove the sequence and free its blocks now; None if it is unknown or finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish(self, seq_id: int, reason: FinishReason) -> None:
+        """Finish a sequence for a reason found outside the scheduler (e.g. a stop string)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self._finish(seq, reason)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work: running sequences first, then admissions with what is left."""
+        batch = ScheduledBatch()
+        self._schedule_running(batch)
+        # After a preemption memory is short: admitting now would only preempt again.
+        if not batch.preempted:
+            self._schedule_waiting(batch)
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Apply a finished step; returns the sequences that got a new token (finished included)."""
+        if len(sampled) != len(batch.seqs):
+            raise FulcrumError(f"{len(sampled)} sampled tokens for {len(batch.seqs)} sequences")
+        updated: list[Sequence] = []
+        for seq, num_new_tokens, token_id in zip(
+            batch.seqs, batch.num_new_tokens, sampled, strict=True
+        ):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or finished between schedule() and update()
+            seq.num_computed_tokens += num_new_tokens
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                if token_id is not None:
+                    raise FulcrumError(
+                        f"sequence {seq.seq_id} sampled in the middle of its prefill"
+                    )
+                continue
+            if token_id is None:
+                raise FulcrumError(
+                    f"sequence {seq.seq_id} computed its last token but sampled none"
+                )
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+            updated.append(seq)
+        return updated
+
+    def _budget_left(self, batch: ScheduledBatch) -> int:
+        return self.max_num_batched_tokens - batch.num_batched_tokens
+
+    def _schedule_running(self, batch: ScheduledBatch) -> None:
+        # Admission order puts decodes first: a sequence still in prefill took all the budget
+        # left when it was admitted, so nobody was admitted after it. A long prompt is thus
+        # chunked to what the decodes leave and never delays anyone's next token.
+        for seq in list(self._running):
+            budget = self._budget_left(batch)
+            if budget < 1:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._reserve(seq, num_new_tokens, batch):
+                batch.add(seq, num_new_tokens)
+
+    def _reserve(self, seq: Sequence, num_new_tokens: int, batch: ScheduledBatch) -> bool:
+        """Get blocks for seq's next tokens, preempting as needed; False if seq was preempted."""
+        while not self.block_manager.allocate_slots(seq, num_new_tokens):
+            victim = max(self._running, key=lambda s: s.sort_key)
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Preempt by recompute: free the blocks, forget computed tokens, queue again."""
+        self._running.remove(seq)
+        if seq in batch.seqs:
+            batch.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(seq)
+        batch.preempted.append(seq)
+
+    def _schedule_waiting(self, batch: ScheduledBatch) -> None:
+        # Strict order: the head blocks later arrivals, so a big prompt is never starved.
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            budget = self._budget_left(batch)
+            if budget < 1:
+                return
+            seq = self._waiting[0]
+            num_new_tokens = self.block_manager.admit(seq, budget)
+            if num_new_tokens == 0:
+                return
+            del self._waiting[0]
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            batch.add(seq, num_new_tokens)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        # A preempted sequence keeps its arrival time, so it goes back ahead of later arrivals.
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        sampling = seq.sampling
+        if token_id == seq.eos_token_id and not sampling.ignore_eos:
+            return FinishReason.STOP
+        if token_id in sampling.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self.block_manager.free(seq)
+        del self._seqs[seq.seq_id]
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
