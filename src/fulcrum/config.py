@@ -23,7 +23,7 @@ class _Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     pass
 
 
-class TensorSpec(_Frozen):
+class TensorSpec(_Frozen, frozen=True):
     """One input or output: per-row shape (batch axis excluded when batching), -1 is dynamic."""
 
     name: str
@@ -33,7 +33,7 @@ class TensorSpec(_Frozen):
     optional: bool = False
 
 
-class VersionPolicy(_Frozen):
+class VersionPolicy(_Frozen, frozen=True):
     """Triton's version policy: the latest N (default 1), all, or specific versions."""
 
     latest: int | None = None
@@ -41,7 +41,7 @@ class VersionPolicy(_Frozen):
     specific: tuple[int, ...] = ()
 
 
-class QueuePolicy(_Frozen):
+class QueuePolicy(_Frozen, frozen=True):
     """Triton's per-priority-level queue policy."""
 
     max_queue_size: int = 0  # 0: unbounded
@@ -50,7 +50,7 @@ class QueuePolicy(_Frozen):
     allow_timeout_override: bool = True
 
 
-class DynamicBatching(_Frozen):
+class DynamicBatching(_Frozen, frozen=True):
     """Triton's dynamic batcher settings."""
 
     max_queue_delay_ms: float = 0.0
@@ -61,13 +61,13 @@ class DynamicBatching(_Frozen):
     priority_queue_policy: dict[str, QueuePolicy] = {}
 
 
-class Instances(_Frozen):
+class Instances(_Frozen, frozen=True):
     """How many copies of the model run, each on its own executor thread."""
 
     count: int = 1
 
 
-class Tokenizer(_Frozen):
+class Tokenizer(_Frozen, frozen=True):
     """Text front end: turns a BYTES input into token tensors padded to the batch's longest."""
 
     file: str = "tokenizer.json"
@@ -78,7 +78,7 @@ class Tokenizer(_Frozen):
     type_ids: str | None = "token_type_ids"
 
 
-class ModelConfig(_Frozen, kw_only=True):
+class ModelConfig(_Frozen, frozen=True, kw_only=True):
     """Everything `config.toml` may say about one model."""
 
     name: str = ""
