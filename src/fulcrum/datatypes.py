@@ -30,7 +30,9 @@ def to_numpy(datatype: str) -> np.dtype[np.generic]:
     try:
         return _V2_TO_NUMPY[datatype]
     except KeyError:
-        raise InvalidInput(f"unknown datatype {datatype!r}; expected one of {sorted(DATATYPES)}")
+        raise InvalidInput(
+            f"unknown datatype {datatype!r}; expected one of {sorted(DATATYPES)}"
+        ) from None
 
 
 def from_numpy(dtype: np.dtype[np.generic]) -> str:

@@ -1,14 +1,15 @@
 """The one error tree: each class knows its HTTP status, so every layer raises and the server maps.
 
-    FulcrumError (500)
-    ├── InvalidInput (400)         bad request body, tensor, parameter
-    ├── NotFound (404)             unknown model, version or route
-    ├── PayloadTooLarge (413)      body over the configured limit
-    ├── Unavailable (503)          not ready, queue full (Retry-After), shutting down
-    │   └── QueueFull (503)
-    ├── DeadlineExceeded (504)     timed out in the queue; never ran
-    ├── ModelError (500)           the backend raised while running a batch
-    └── ConfigError (500)          malformed config.toml (names the file, key and value)
+FulcrumError (500)
+├── InvalidInput (400)         bad request body, tensor, parameter
+├── Forbidden (403)            management API without the admin token
+├── NotFound (404)             unknown model, version or route
+├── PayloadTooLarge (413)      body over the configured limit
+├── Unavailable (503)          not ready, queue full (Retry-After), shutting down
+│   └── QueueFull (503)
+├── DeadlineExceeded (504)     timed out in the queue; never ran
+├── ModelError (500)           the backend raised while running a batch
+└── ConfigError (500)          malformed config.toml (names the file, key and value)
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class InvalidInput(FulcrumError):
     """The request is malformed: bad JSON, unknown input, wrong datatype or shape."""
 
     status_code = 400
+
+
+class Forbidden(FulcrumError):
+    """The route needs the admin token (management API on a non-loopback address)."""
+
+    status_code = 403
 
 
 class NotFound(FulcrumError):

@@ -25,9 +25,7 @@ class EchoBackend:
         self.latency_b_s = float(params.get("latency_b_ms", 0.0)) / 1000  # type: ignore[arg-type]
         fail = params.get("fail_value")
         self.fail_value = None if fail is None else float(fail)  # type: ignore[arg-type]
-        self.pairs = [
-            (i.name, o.name) for i, o in zip(config.inputs, config.outputs, strict=False)
-        ]
+        self.pairs = [(i.name, o.name) for i, o in zip(config.inputs, config.outputs, strict=False)]
         self.batched = config.max_batch_size > 0
         self.num_batches = 0
 

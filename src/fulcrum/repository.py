@@ -1,0 +1,227 @@
+"""The model repository: Triton's layout (`<root>/<model>/config.toml`, `<root>/<model>/<n>/`),
+version policy, and the load / unload / reload lifecycle. What a loaded version *is* (a batched
+model or an LLM engine) is decided by the injected loader, so this module stays generic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from fulcrum.config import ModelConfig, VersionPolicy, check_model_name, load_model_config
+from fulcrum.config import validate as validate_config
+from fulcrum.errors import ConfigError, FulcrumError, InvalidInput, NotFound, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class Servable(Protocol):
+    """One loaded version of a model."""
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    async def stop(self) -> None: ...
+
+
+Loader = Callable[[ModelConfig, int, Path], Awaitable[Servable]]
+
+
+@dataclass
+class ModelEntry:
+    """A model's current state: its config and its loaded versions (highest is the default)."""
+
+    name: str
+    config: ModelConfig | None = None
+    versions: dict[int, Servable] = field(default_factory=dict)
+    state: str = "UNAVAILABLE"
+    reason: str = ""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def available_versions(model_dir: Path) -> list[int]:
+    """Version folders present on disk (positive integer names), ascending."""
+    return sorted(
+        int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name)
+    )
+
+
+def select_versions(policy: VersionPolicy, on_disk: list[int]) -> list[int]:
+    """Apply Triton's version policy to the versions on disk."""
+    if policy.all:
+        chosen = list(on_disk)
+    elif policy.specific:
+        missing = sorted(set(policy.specific) - set(on_disk))
+        if missing:
+            raise ConfigError(f"version_policy.specific names missing versions {missing}")
+        chosen = sorted(policy.specific)
+    else:
+        chosen = on_disk[-(policy.latest or 1) :]
+    if not chosen:
+        raise ConfigError("no version folder (1/, 2/, ...) to load")
+    return chosen
+
+
+class ModelRepository:
+    """Scans a folder of models and keeps each model's chosen versions loaded."""
+
+    def __init__(self, root: Path, loader: Loader) -> None:
+        self.root = root
+        self._loader = loader
+        self._entries: dict[str, ModelEntry] = {}
+
+    def model_names(self) -> list[str]:
+        """Models on disk (folders holding a config.toml) plus any loaded ones."""
+        on_disk = {p.parent.name for p in self.root.glob("*/config.toml")}
+        return sorted(on_disk | set(self._entries))
+
+    def index(self) -> list[dict[str, str]]:
+        """The repository index: one row per model version (or per model when none loaded)."""
+        rows: list[dict[str, str]] = []
+        for name in self.model_names():
+            entry = self._entries.get(name)
+            if entry is None or not entry.versions:
+                state = entry.state if entry else "UNAVAILABLE"
+                rows.append({"name": name, "state": state, "reason": entry.reason if entry else ""})
+                continue
+            for version in sorted(entry.versions):
+                rows.append(
+                    {
+                        "name": name,
+                        "version": str(version),
+                        "state": entry.state,
+                        "reason": entry.reason,
+                    }
+                )
+        return rows
+
+    def get(self, name: str, version: int | None = None) -> tuple[ModelConfig, int, Servable]:
+        """The config, version number and servable that serve `name` (default: highest)."""
+        entry = self._entries.get(name)
+        if entry is None or entry.config is None or not entry.versions:
+            if entry is not None and entry.state == "LOADING":
+                raise Unavailable(f"model '{name}' is loading")
+            raise NotFound(f"model '{name}' is not loaded")
+        if version is None:
+            version = max(entry.versions)
+        servable = entry.versions.get(version)
+        if servable is None:
+            raise NotFound(f"model '{name}' has no loaded version {version}")
+        return entry.config, version, servable
+
+    def loaded(self) -> list[tuple[ModelConfig, int, Servable]]:
+        """Every loaded (config, version, servable)."""
+        return [
+            (e.config, v, s)
+            for e in self._entries.values()
+            if e.config is not None
+            for v, s in sorted(e.versions.items())
+        ]
+
+    async def load_all(self) -> list[str]:
+        """Load every model on disk; returns the names that failed (each is logged)."""
+        failed: list[str] = []
+        for name in self.model_names():
+            try:
+                await self.load(name)
+            except FulcrumError as exc:
+                log.error("model %s failed to load: %s", name, exc.message)
+                failed.append(name)
+        return failed
+
+    async def load(self, name: str, config_override: dict[str, object] | None = None) -> None:
+        """Load or reload `name`. New versions start before old ones stop, so a reload under
+        load fails no request; if any new version fails, the old versions keep serving."""
+        entry = self._entries.setdefault(check_name(name), ModelEntry(name))
+        async with entry.lock:
+            previous_state = entry.state
+            entry.state = "LOADING" if not entry.versions else entry.state
+            try:
+                config, versions = self._read(name, config_override)
+                started = await self._start_versions(config, versions)
+            except FulcrumError as exc:
+                entry.state = previous_state if entry.versions else "UNAVAILABLE"
+                entry.reason = exc.message
+                raise
+            old = entry.versions
+            entry.config, entry.versions = config, started
+            entry.state, entry.reason = "READY", ""
+        await _stop_all(v for k, v in old.items() if started.get(k) is not v)
+
+    async def unload(self, name: str) -> None:
+        """Stop every version of `name`; in-flight requests finish first."""
+        entry = self._entries.get(check_name(name))
+        if entry is None or not entry.versions:
+            raise NotFound(f"model '{name}' is not loaded")
+        async with entry.lock:
+            old, entry.versions = entry.versions, {}
+            entry.state, entry.reason = "UNAVAILABLE", "unloaded"
+        await _stop_all(old.values())
+
+    async def close(self) -> None:
+        """Unload everything."""
+        for name in list(self._entries):
+            if self._entries[name].versions:
+                await self.unload(name)
+
+    def _read(self, name: str, override: dict[str, object] | None) -> tuple[ModelConfig, list[int]]:
+        model_dir = self.root / name
+        config_path = model_dir / "config.toml"
+        if not config_path.is_file():
+            raise NotFound(f"model '{name}' has no config.toml in the repository")
+        config = load_model_config(config_path, dir_name=name)
+        if override:
+            config = apply_override(config, override)
+        return config, select_versions(config.version_policy, available_versions(model_dir))
+
+    async def _start_versions(
+        self, config: ModelConfig, versions: list[int]
+    ) -> dict[int, Servable]:
+        started: dict[int, Servable] = {}
+        try:
+            for version in versions:
+                started[version] = await self._loader(
+                    config, version, self.root / config.name / str(version)
+                )
+        except FulcrumError:
+            await _stop_all(started.values())
+            raise
+        except Exception as exc:
+            await _stop_all(started.values())
+            raise ConfigError(f"model '{config.name}' failed to load: {exc}") from exc
+        return started
+
+
+def check_name(name: str) -> str:
+    """Refuse model names that could escape the repository, as a client error."""
+    try:
+        return check_model_name(name)
+    except ConfigError as exc:
+        raise InvalidInput(exc.message) from None
+
+
+def apply_override(config: ModelConfig, override: dict[str, object]) -> ModelConfig:
+    """Merge a (partial) config given with a load request over the file's config."""
+    merged = msgspec.to_builtins(config)
+    merged.update(override)
+    merged["name"] = config.name
+    try:
+        result = msgspec.convert(merged, type=ModelConfig)
+        validate_config(result)
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(f"config override: {exc}") from exc
+    except ConfigError as exc:
+        raise InvalidInput(f"config override: {exc.message}") from exc
+    return result
+
+
+async def _stop_all(servables: object) -> None:
+    items = list(servables)  # type: ignore[call-overload]
+    if items:
+        await asyncio.gather(*(s.stop() for s in items), return_exceptions=True)

@@ -1,0 +1,1 @@
+"""The HTTP layer: Starlette routes over the `Service` facade."""

@@ -1,0 +1,169 @@
+"""KServe v2 / Open Inference Protocol routes, with Triton's repository and statistics APIs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from fulcrum.errors import Forbidden, InvalidInput, Unavailable
+from fulcrum.protocol import decode_infer_request, encode_infer_response
+from fulcrum.server.http import Endpoint, handle_errors, json_response, parse_json, read_body
+from fulcrum.service import Service
+
+T = TypeVar("T")
+
+
+def _version(request: Request) -> int | None:
+    raw = request.path_params.get("version")
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise InvalidInput(f"model version must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work`, cancelling it if the client goes away first, so a queued request whose
+    client left never runs."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise Unavailable("client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class V2Api:
+    """The v2 endpoints over `service`; `admin_allowed(request) -> bool` guards management."""
+
+    def __init__(self, service: Service, admin_allowed: Callable[[Request], bool]) -> None:
+        self.service = service
+        self.admin_allowed = admin_allowed
+
+    def routes(self) -> list[BaseRoute]:
+        m, mv = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
+        table: list[tuple[str, Endpoint, list[str]]] = [
+            ("/v2/health/live", self.live, ["GET"]),
+            ("/v2/health/ready", self.ready, ["GET"]),
+            ("/v2", self.server_metadata, ["GET"]),
+            ("/v2/models/stats", self.statistics, ["GET"]),
+            (m, self.model_metadata, ["GET"]),
+            (mv, self.model_metadata, ["GET"]),
+            (f"{m}/ready", self.model_ready, ["GET"]),
+            (f"{mv}/ready", self.model_ready, ["GET"]),
+            (f"{m}/config", self.model_config, ["GET"]),
+            (f"{mv}/config", self.model_config, ["GET"]),
+            (f"{m}/infer", self.infer, ["POST"]),
+            (f"{mv}/infer", self.infer, ["POST"]),
+            (f"{m}/stats", self.statistics, ["GET"]),
+            (f"{mv}/stats", self.statistics, ["GET"]),
+            ("/v2/repository/index", self.repository_index, ["POST"]),
+            ("/v2/repository/models/{model}/load", self.load, ["POST"]),
+            ("/v2/repository/models/{model}/unload", self.unload, ["POST"]),
+        ]
+        return [Route(path, handle_errors(fn), methods=methods) for path, fn, methods in table]
+
+    async def live(self, request: Request) -> Response:
+        return Response(status_code=200 if self.service.is_live else 503)
+
+    async def ready(self, request: Request) -> Response:
+        return Response(status_code=200 if self.service.is_ready else 503)
+
+    async def server_metadata(self, request: Request) -> Response:
+        return json_response(self.service.server_metadata())
+
+    async def model_metadata(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        return json_response(self.service.model_metadata(name, _version(request)))
+
+    async def model_ready(self, request: Request) -> Response:
+        ok = self.service.model_ready(request.path_params["model"], _version(request))
+        return Response(status_code=200 if ok else 400)
+
+    async def model_config(self, request: Request) -> Response:
+        return json_response(self.service.model_config(request.path_params["model"]))
+
+    async def infer(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        version = _version(request)
+        body = await read_body(request, self.service.settings.max_body_bytes)
+        header = request.headers.get("inference-header-content-length")
+        if header is not None and not header.isdigit():
+            raise InvalidInput(f"invalid Inference-Header-Content-Length {header!r}")
+        infer_request = decode_infer_request(body, int(header) if header is not None else None)
+        work = self.service.infer(name, version, infer_request)
+        served, result = await _until_disconnect(request, work)
+        payload, headers = encode_infer_response(
+            name, str(served), infer_request.id, result.outputs, infer_request.outputs,
+            infer_request.binary_output_default,
+        )  # fmt: skip
+        headers["Server-Timing"] = (
+            f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}, "
+            f"batch;desc={result.batch_size}"
+        )
+        return Response(payload, headers=headers)
+
+    async def statistics(self, request: Request) -> Response:
+        name = request.path_params.get("model")
+        return json_response(self.service.statistics(name, _version(request)))
+
+    async def repository_index(self, request: Request) -> Response:
+        self._guard(request)
+        body = parse_json(await read_body(request, 1 << 20), "repository index")
+        rows = self.service.repository.index()
+        if body.get("ready"):
+            rows = [r for r in rows if r["state"] == "READY"]
+        return json_response(rows)
+
+    async def load(self, request: Request) -> Response:
+        self._guard(request)
+        body = parse_json(await read_body(request, 1 << 20), "load request")
+        await self.service.repository.load(request.path_params["model"], _config_override(body))
+        return json_response({})
+
+    async def unload(self, request: Request) -> Response:
+        self._guard(request)
+        await self.service.repository.unload(request.path_params["model"])
+        return json_response({})
+
+    def _guard(self, request: Request) -> None:
+        if not self.admin_allowed(request):
+            raise Forbidden("management API needs the admin token on this address (--admin-token)")
+
+
+def _config_override(body: dict[str, object]) -> dict[str, object] | None:
+    """Triton's load request may carry `parameters.config`: a JSON (or TOML) config text."""
+    params = body.get("parameters")
+    if not isinstance(params, dict) or "config" not in params:
+        return None
+    text = params["config"]
+    if isinstance(text, dict):
+        return text
+    if not isinstance(text, str):
+        raise InvalidInput("parameters.config must be a JSON or TOML string")
+    try:
+        value = (
+            msgspec.json.decode(text)
+            if text.lstrip().startswith("{")
+            else msgspec.toml.decode(text)
+        )
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"parameters.config is neither JSON nor TOML: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidInput("parameters.config must be an object")
+    return value

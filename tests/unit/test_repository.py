@@ -1,0 +1,163 @@
+"""The model repository: layout, version policy, load/unload/reload and name safety."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fulcrum.config import ModelConfig, VersionPolicy
+from fulcrum.errors import ConfigError, InvalidInput, NotFound
+from fulcrum.repository import ModelRepository, apply_override, select_versions
+
+ECHO = """
+platform = "echo"
+max_batch_size = 4
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [2]
+[[outputs]]
+name = "y"
+datatype = "FP32"
+shape = [2]
+"""
+
+
+class FakeServable:
+    def __init__(self, config: ModelConfig, version: int) -> None:
+        self.config, self.version = config, version
+        self.stopped = False
+
+    @property
+    def is_ready(self) -> bool:
+        return not self.stopped
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+class FakeLoader:
+    def __init__(self) -> None:
+        self.loaded: list[FakeServable] = []
+        self.fail_versions: set[int] = set()
+
+    async def __call__(self, config: ModelConfig, version: int, path: Path) -> FakeServable:
+        assert path.is_dir()
+        if version in self.fail_versions:
+            raise ConfigError(f"version {version} is broken")
+        servable = FakeServable(config, version)
+        self.loaded.append(servable)
+        return servable
+
+
+def make_model(root: Path, name: str, versions: list[int], extra: str = "") -> Path:
+    model = root / name
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.toml").write_text(ECHO + extra)
+    for v in versions:
+        (model / str(v)).mkdir(exist_ok=True)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (VersionPolicy(), [3]),
+        (VersionPolicy(latest=2), [2, 3]),
+        (VersionPolicy(all=True), [1, 2, 3]),
+        (VersionPolicy(specific=(1, 3)), [1, 3]),
+    ],
+)
+def test_version_policy(policy: VersionPolicy, expected: list[int]) -> None:
+    assert select_versions(policy, [1, 2, 3]) == expected
+
+
+def test_specific_missing_version_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"missing versions \[4\]"):
+        select_versions(VersionPolicy(specific=(4,)), [1, 2])
+
+
+async def test_load_serves_highest_version_by_default(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1, 2], "[version_policy]\nall = true\n")
+    repo = ModelRepository(tmp_path, FakeLoader())
+    assert await repo.load_all() == []
+    config, version, _ = repo.get("m")
+    assert (config.name, version) == ("m", 2)
+    assert repo.get("m", 1)[1] == 1
+    with pytest.raises(NotFound, match="no loaded version 7"):
+        repo.get("m", 7)
+    assert [r["version"] for r in repo.index()] == ["1", "2"]
+
+
+async def test_failed_reload_keeps_old_version_serving(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1])
+    loader = FakeLoader()
+    repo = ModelRepository(tmp_path, loader)
+    await repo.load("m")
+    old = repo.get("m")[2]
+    (tmp_path / "m" / "2").mkdir()
+    loader.fail_versions = {2}
+    with pytest.raises(ConfigError, match="version 2 is broken"):
+        await repo.load("m")
+    assert repo.get("m")[2] is old
+    assert repo.index()[0]["state"] == "READY"
+
+
+async def test_reload_starts_new_before_stopping_old(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1])
+    repo = ModelRepository(tmp_path, FakeLoader())
+    await repo.load("m")
+    old = repo.get("m")[2]
+    (tmp_path / "m" / "2").mkdir()
+    await repo.load("m")
+    new = repo.get("m")[2]
+    assert new is not old and repo.get("m")[1] == 2
+    assert isinstance(old, FakeServable) and old.stopped
+
+
+async def test_unload_then_not_found(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1])
+    repo = ModelRepository(tmp_path, FakeLoader())
+    await repo.load("m")
+    servable = repo.get("m")[2]
+    await repo.unload("m")
+    assert isinstance(servable, FakeServable) and servable.stopped
+    with pytest.raises(NotFound):
+        repo.get("m")
+    assert repo.index() == [{"name": "m", "state": "UNAVAILABLE", "reason": "unloaded"}]
+
+
+@pytest.mark.parametrize("name", ["..", "../etc", "a/b", "/abs", "%2e%2e", "a\x00", "", ".hidden"])
+async def test_names_that_escape_are_refused(tmp_path: Path, name: str) -> None:
+    repo = ModelRepository(tmp_path, FakeLoader())
+    with pytest.raises(InvalidInput, match="invalid model name"):
+        await repo.load(name)
+
+
+async def test_malformed_config_names_file_and_key(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1], '[dynamic_batching]\nmax_queue_delay_ms = "soon"\n')
+    repo = ModelRepository(tmp_path, FakeLoader())
+    with pytest.raises(ConfigError) as info:
+        await repo.load("m")
+    assert "config.toml" in info.value.message
+    assert "dynamic_batching.max_queue_delay_ms" in info.value.message
+    assert await repo.load_all() == ["m"]
+
+
+async def test_missing_version_folder(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [])
+    with pytest.raises(ConfigError, match="no version folder"):
+        await ModelRepository(tmp_path, FakeLoader()).load("m")
+
+
+async def test_config_override_is_validated(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1])
+    repo = ModelRepository(tmp_path, FakeLoader())
+    await repo.load("m", {"max_batch_size": 2})
+    assert repo.get("m")[0].max_batch_size == 2
+    with pytest.raises(InvalidInput, match="config override"):
+        await repo.load("m", {"max_batch_size": "big"})
+    config = repo.get("m")[0]
+    with pytest.raises(InvalidInput, match="platform"):
+        apply_override(config, {"platform": "tea"})
