@@ -1,0 +1,165 @@
+"""ONNX Runtime backend: one `InferenceSession` per instance, fed by config names.
+
+When the config has a `[tokenizer]`, its BYTES input is turned into token tensors first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from fulcrum.backends.casting import cast_to
+from fulcrum.backends.params import (
+    Params,
+    get_bool,
+    get_int,
+    get_str,
+    get_str_list,
+    version_file,
+)
+from fulcrum.backends.text import TextFrontEnd
+from fulcrum.config import ModelConfig
+from fulcrum.errors import ConfigError, InvalidInput, ModelError
+from fulcrum.types import TensorMap
+
+_OPT_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+_ORT_TYPES: dict[str, np.dtype[np.generic]] = {
+    f"tensor({name})": np.dtype(dtype)
+    for name, dtype in [
+        ("bool", np.bool_),
+        ("int8", np.int8),
+        ("int16", np.int16),
+        ("int32", np.int32),
+        ("int64", np.int64),
+        ("uint8", np.uint8),
+        ("uint16", np.uint16),
+        ("uint32", np.uint32),
+        ("uint64", np.uint64),
+        ("float16", np.float16),
+        ("float", np.float32),
+        ("double", np.float64),
+        ("string", np.object_),
+    ]
+}
+
+
+def session_options(params: Params) -> ort.SessionOptions:
+    """Validated ORT session options from a model's parameters."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = get_int(params, "intra_op_threads", 0)  # 0: ORT's default
+    options.inter_op_num_threads = get_int(params, "inter_op_threads", 0)
+    level = get_str(params, "graph_optimization_level", "all", choices=list(_OPT_LEVELS))
+    options.graph_optimization_level = _OPT_LEVELS[level]
+    # ORT's pool threads spin-wait for work by default; on a small machine the spinning steals
+    # the cores the event loop and the other models need, so spinning is opt-in.
+    spin = "1" if get_bool(params, "allow_spinning", False) else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    return options
+
+
+def execution_providers(params: Params) -> list[str]:
+    """The configured providers, or CUDA (when this onnxruntime has it) then CPU."""
+    available = ort.get_available_providers()
+    default = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    providers = get_str_list(params, "execution_providers", default)
+    missing = [p for p in providers if p not in available]
+    if missing or not providers:
+        raise ConfigError(
+            f"parameter 'execution_providers' = {providers!r}: not available here "
+            f"(available: {available})"
+        )
+    return providers
+
+
+class OnnxBackend:
+    """Runs an ONNX graph with ONNX Runtime; parameters are validated at load."""
+
+    def __init__(self, config: ModelConfig, version_dir: Path) -> None:
+        params = config.parameters
+        path = version_file(version_dir, get_str(params, "model_file", "model.onnx"), "model_file")
+        if not path.is_file():
+            raise ConfigError(f"model {config.name!r}: no model file {path}")
+        options = session_options(params)
+        providers = execution_providers(params)
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as exc:  # ORT raises its own untyped errors for a bad graph
+            raise ModelError(f"model {config.name!r}: cannot load {path}: {exc}") from exc
+        self.name = config.name
+        self.front = TextFrontEnd(config.tokenizer, version_dir) if config.tokenizer else None
+        self.graph_types = {i.name: _ort_dtype(i.type, i.name) for i in self.session.get_inputs()}
+        self._check_inputs(config)
+        self.output_names = self._output_names(config)
+
+    def _check_inputs(self, config: ModelConfig) -> None:
+        provided = {spec.name for spec in config.inputs}
+        if self.front is not None:
+            provided.discard(self.front.spec.input)
+            provided.update(self.front.output_names)
+        if not provided:
+            return  # no declared inputs: requests name the graph's inputs directly
+        unknown = sorted(provided - set(self.graph_types))
+        if unknown:
+            raise ConfigError(
+                f"model {config.name!r}: inputs {unknown} are not in the graph "
+                f"(graph inputs: {sorted(self.graph_types)})"
+            )
+
+    def _output_names(self, config: ModelConfig) -> list[str]:
+        graph_outputs = [o.name for o in self.session.get_outputs()]
+        if not config.outputs:
+            return graph_outputs
+        names = [spec.name for spec in config.outputs]
+        unknown = [n for n in names if n not in graph_outputs]
+        if unknown:
+            raise ConfigError(
+                f"model {config.name!r}: outputs {unknown} are not in the graph "
+                f"(graph outputs: {graph_outputs})"
+            )
+        return names
+
+    def execute(self, inputs: TensorMap) -> TensorMap:
+        """Run one batch; ONNX Runtime releases the GIL while it computes."""
+        feeds = self._feeds(inputs)
+        try:
+            values = self.session.run(self.output_names, feeds)
+        except Exception as exc:
+            raise ModelError(f"model {self.name!r} failed: {exc}") from exc
+        return dict(zip(self.output_names, values, strict=True))
+
+    def _feeds(self, inputs: TensorMap) -> TensorMap:
+        tensors = dict(inputs)
+        if self.front is not None:
+            text_name = self.front.spec.input
+            if text_name not in tensors:
+                raise InvalidInput(f"model {self.name!r}: missing input {text_name!r}")
+            tensors.update(self.front.encode(tensors.pop(text_name)))
+        feeds: TensorMap = {}
+        for name, array in tensors.items():
+            graph_dtype = self.graph_types.get(name)
+            if graph_dtype is None:
+                raise InvalidInput(f"model {self.name!r}: unknown input {name!r}")
+            feeds[name] = cast_to(name, array, graph_dtype)
+        missing = sorted(set(self.graph_types) - set(feeds))
+        if missing:
+            raise InvalidInput(f"model {self.name!r}: missing inputs {missing}")
+        return feeds
+
+    def close(self) -> None:
+        # ORT frees the session when the last reference goes; drop ours now.
+        self.__dict__.pop("session", None)
+
+
+def _ort_dtype(type_name: str, input_name: str) -> np.dtype[np.generic]:
+    dtype = _ORT_TYPES.get(type_name)
+    if dtype is None:
+        raise ConfigError(f"graph input {input_name!r} has unsupported type {type_name}")
+    return dtype

@@ -1,0 +1,17 @@
+"""Shared fixtures: `example_repo`, a model repository built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fulcrum.examples import build_examples
+
+
+@pytest.fixture(scope="session")
+def example_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository holding every example model (`minilm`, ...); treat it as read-only."""
+    directory = tmp_path_factory.mktemp("models")
+    build_examples(directory)
+    return directory

@@ -1,0 +1,171 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import pytest
+
+from fulcrum.backends import create_backend
+from fulcrum.backends.casting import cast_to
+from fulcrum.backends.onnx import OnnxBackend
+from fulcrum.config import ModelConfig, TensorSpec
+from fulcrum.errors import ConfigError, InvalidInput, ModelError
+
+ParamValue = str | int | float | bool | list[str]
+
+
+def write_add_graph(path: Path) -> None:
+    """x (int64 [B, 2]) and y (float [B, 2]) -> as_float = Cast(x), total = as_float + y."""
+    nodes = [
+        oh.make_node("Cast", ["x"], ["as_float"], to=onnx.TensorProto.FLOAT),
+        oh.make_node("Add", ["as_float", "y"], ["total"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "add",
+        [
+            oh.make_tensor_value_info("x", onnx.TensorProto.INT64, ["B", 2]),
+            oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", 2]),
+        ],
+        [
+            oh.make_tensor_value_info("total", onnx.TensorProto.FLOAT, ["B", 2]),
+            oh.make_tensor_value_info("as_float", onnx.TensorProto.FLOAT, ["B", 2]),
+        ],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def make_config(
+    *,
+    outputs: tuple[str, ...] = ("total",),
+    inputs: tuple[str, ...] = ("x", "y"),
+    **parameters: ParamValue,
+) -> ModelConfig:
+    dtypes = {"x": "INT64", "y": "FP32"}
+    return ModelConfig(
+        name="add",
+        platform="onnx",
+        max_batch_size=8,
+        inputs=tuple(
+            TensorSpec(name=n, datatype=dtypes.get(n, "FP32"), shape=(2,)) for n in inputs
+        ),
+        outputs=tuple(TensorSpec(name=n, datatype="FP32", shape=(2,)) for n in outputs),
+        parameters=dict(parameters),
+    )
+
+
+@pytest.fixture
+def version_dir(tmp_path: Path) -> Path:
+    write_add_graph(tmp_path / "model.onnx")
+    return tmp_path
+
+
+def batch(x: np.ndarray | None = None, y: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    return {
+        "x": np.array([[1, 2], [3, 4]], dtype=np.int64) if x is None else x,
+        "y": np.array([[0.5, 0.5], [1.0, 1.0]], dtype=np.float32) if y is None else y,
+    }
+
+
+def test_runs_and_returns_only_config_outputs(version_dir: Path) -> None:
+    backend = create_backend(make_config(intra_op_threads=1), version_dir)
+    out = backend.execute(batch())
+    assert list(out) == ["total"]
+    np.testing.assert_allclose(out["total"], [[1.5, 2.5], [4.0, 5.0]])
+    backend.close()
+
+
+def test_no_config_outputs_returns_every_graph_output(version_dir: Path) -> None:
+    out = OnnxBackend(make_config(outputs=()), version_dir).execute(batch())
+    assert sorted(out) == ["as_float", "total"]
+    np.testing.assert_array_equal(out["as_float"], [[1, 2], [3, 4]])
+
+
+def test_narrower_ints_and_wider_floats_are_cast_to_the_graph_dtype(version_dir: Path) -> None:
+    backend = OnnxBackend(make_config(), version_dir)
+    x32 = np.array([[1, 2], [3, 4]], dtype=np.int32)
+    y64 = np.array([[0.5, 0.5], [1.0, 1.0]], dtype=np.float64)
+    out = backend.execute(batch(x32, y64))
+    np.testing.assert_allclose(out["total"], [[1.5, 2.5], [4.0, 5.0]])
+
+
+@pytest.mark.parametrize(
+    "x", [np.ones((2, 2), np.float32), np.ones((2, 2), np.uint8), np.ones((2, 2), np.bool_)]
+)
+def test_a_different_kind_of_dtype_is_refused(version_dir: Path, x: np.ndarray) -> None:
+    with pytest.raises(InvalidInput, match=f"input 'x': datatype {x.dtype} cannot be fed as int64"):
+        OnnxBackend(make_config(), version_dir).execute(batch(x))
+
+
+def test_cast_to_refuses_narrowing_that_would_wrap() -> None:
+    big = np.array([2**40], dtype=np.int64)
+    with pytest.raises(InvalidInput, match="out of range for int32"):
+        cast_to("ids", big, np.dtype(np.int32))
+    assert cast_to("ids", np.array([7], np.int64), np.dtype(np.int32)).dtype == np.int32
+
+
+def test_unknown_or_missing_request_inputs_are_invalid_input(version_dir: Path) -> None:
+    backend = OnnxBackend(make_config(), version_dir)
+    with pytest.raises(InvalidInput, match="unknown input 'z'"):
+        backend.execute({**batch(), "z": np.zeros(2)})
+    with pytest.raises(InvalidInput, match=r"missing inputs \['y'\]"):
+        backend.execute({"x": batch()["x"]})
+
+
+def test_a_failing_run_is_a_model_error_chained_from_ort(version_dir: Path) -> None:
+    bad_y = np.ones((2, 3), dtype=np.float32)  # Add cannot broadcast [2, 2] with [2, 3]
+    with pytest.raises(ModelError, match="model 'add' failed") as caught:
+        OnnxBackend(make_config(), version_dir).execute(batch(y=bad_y))
+    assert caught.value.__cause__ is not None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("intra_op_threads", "two", "expected an integer"),
+        ("intra_op_threads", -1, "must be >= 0"),
+        ("inter_op_threads", True, "expected an integer"),
+        ("graph_optimization_level", "max", "expected one of"),
+        ("allow_spinning", "no", "expected true or false"),
+        ("execution_providers", ["NoSuchExecutionProvider"], "not available here"),
+        ("execution_providers", "CPUExecutionProvider", "expected a list of strings"),
+        ("model_file", "../model.onnx", "inside the version"),
+        ("model_file", "other.onnx", "no model file"),
+    ],
+)
+def test_bad_parameters_are_config_errors_naming_key_and_value(
+    version_dir: Path, key: str, value: ParamValue, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        OnnxBackend(make_config(**{key: value}), version_dir)
+    assert key in caught.value.message or "no model file" in message
+
+
+def test_every_optimization_level_and_explicit_cpu_provider_load(version_dir: Path) -> None:
+    for level in ("disable", "basic", "extended", "all"):
+        backend = OnnxBackend(
+            make_config(
+                graph_optimization_level=level,
+                execution_providers=["CPUExecutionProvider"],
+                allow_spinning=True,
+            ),
+            version_dir,
+        )
+        assert backend.session.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_config_names_missing_from_the_graph_are_config_errors(version_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"inputs \['w'\] are not in the graph"):
+        OnnxBackend(make_config(inputs=("x", "w")), version_dir)
+    with pytest.raises(ConfigError, match=r"outputs \['nope'\] are not in the graph"):
+        OnnxBackend(make_config(outputs=("nope",)), version_dir)
+
+
+def test_a_corrupt_model_file_is_a_model_error(tmp_path: Path) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"not a protobuf")
+    with pytest.raises(ModelError, match="cannot load"):
+        OnnxBackend(make_config(), tmp_path)
