@@ -1,0 +1,51 @@
+"""The demo's closing act: `minilm` at batch-1 and with dynamic batching, side by side."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+from rich.console import Console
+
+from fulcrum.loadgen.bench import BenchOptions, run_bench
+from fulcrum.loadgen.inputs import LengthDist
+from fulcrum.loadgen.kserve import V2Inputs
+from fulcrum.loadgen.report import compare_table
+from fulcrum.loadgen.results import BenchRun
+from fulcrum.loadgen.windows import MeasurePlan
+
+BATCH_ONE = {"max_batch_size": 1, "dynamic_batching": {"max_queue_delay_ms": 0}}
+CONCURRENCY = (1, 8, 32)
+
+
+def _reload(url: str, override: dict[str, object] | None) -> None:
+    body = {"parameters": {"config": msgspec.json.encode(override).decode()}} if override else {}
+    response = httpx.post(f"{url}/v2/repository/models/minilm/load", json=body, timeout=120)
+    response.raise_for_status()
+
+
+def _bench(url: str, label: str, duration_s: float) -> BenchRun:
+    plan = MeasurePlan(warmup_s=1.0, window_s=1.0, max_duration_s=duration_s)
+    options = BenchOptions(
+        model="minilm", url=url, concurrency=CONCURRENCY, plan=plan, label=label,
+        v2=V2Inputs(lengths=LengthDist(12, 20), num_distinct=64, binary=True),
+    )  # fmt: skip
+    return run_bench(options, progress=True)
+
+
+def batching_trade_off(url: str, *, duration_s: float, console: Console) -> None:
+    """Bench `minilm` reloaded as batch-1, then with its own dynamic batching config."""
+    console.rule("[bold]the latency/throughput trade-off of minilm")
+    _reload(url, BATCH_ONE)
+    batch_one = _bench(url, "batch-1", duration_s)
+    _reload(url, None)
+    batched = _bench(url, "dynamic batching", duration_s)
+    console.print(compare_table([batch_one, batched]))
+    a, b = batch_one.points[-1], batched.points[-1]
+    console.print(
+        f"At {CONCURRENCY[-1]} concurrent clients dynamic batching serves "
+        f"[bold]{b.throughput_rps / a.throughput_rps:.1f}x[/] the requests/s of batch-1 "
+        f"({b.throughput_rps:.0f} vs {a.throughput_rps:.0f}); P99 {b.latency.p99_ms:.0f} ms "
+        f"vs {a.latency.p99_ms:.0f} ms. At one client batching cannot help: "
+        f"{batched.points[0].latency.p50_ms:.1f} vs {batch_one.points[0].latency.p50_ms:.1f} ms "
+        "P50."
+    )

@@ -1,0 +1,146 @@
+"""The official `openai` client against a real HTTP server (uvicorn on a free loopback port)
+serving the tiny Llama through the OpenAI routes: JSON, streaming, errors, disconnect."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+
+from fulcrum.config import ModelConfig
+from fulcrum.errors import NotFound
+from fulcrum.llm.engine import AsyncLLMEngine
+from fulcrum.llm.examples import build_tiny_llama
+from fulcrum.server.openai import openai_routes
+
+pytestmark = pytest.mark.e2e
+
+
+class Service:
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+
+    def llm_engine(self, name: str) -> AsyncLLMEngine:
+        if name != self.engine.model_name:
+            raise NotFound(f"model '{name}' is not a generative model")
+        return self.engine
+
+    def llm_model_names(self) -> list[str]:
+        return [self.engine.model_name]
+
+
+class Server:
+    def __init__(self, url: str, engine: AsyncLLMEngine, registry: CollectorRegistry) -> None:
+        self.url = url
+        self.engine = engine
+        self.registry = registry
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    directory: Path = tmp_path_factory.mktemp("models")
+    name = build_tiny_llama(directory)
+    config = ModelConfig(name=name, platform="llm", parameters={"num_kv_blocks": 128})
+    registry = CollectorRegistry()
+    engine = AsyncLLMEngine.from_config(config, directory / name / "1", registry=registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        await engine.stop(timeout_s=5.0)
+
+    app = Starlette(routes=openai_routes(Service(engine)), lifespan=lifespan)
+    # Bound before the thread starts: clients may connect at once (the backlog holds them).
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield Server(f"http://127.0.0.1:{port}", engine, registry)
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_completion(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    completion = client.completions.create(
+        model="tiny-llama",
+        prompt="Once upon a time",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 10
+
+
+def test_streaming_chat_with_usage(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Hello! How are you today?"}]
+    whole = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
+    stream = client.chat.completions.create(
+        model="tiny-llama",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_errors_raise_the_clients_exceptions(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.completions.create(model="tiny-llama", prompt="hi", n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="hi")
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
+    request = {
+        "model": "tiny-llama",
+        "prompt": "Tell me a story",
+        "max_tokens": 800,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=request, timeout=30) as r:
+        next(r.iter_lines())  # the stream is running; now the client goes away
+    labels = {"model": "tiny-llama", "finished_reason": "abort"}
+    deadline = time.monotonic() + 20
+    while server.registry.get_sample_value("fulcrum_llm_request_success_total", labels) != 1.0:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.02)
+    assert server.engine.engine.block_manager.usage() == 0.0
