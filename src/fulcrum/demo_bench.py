@@ -5,11 +5,11 @@ from __future__ import annotations
 import httpx
 import msgspec
 from rich.console import Console
+from rich.table import Table
 
 from fulcrum.loadgen.bench import BenchOptions, run_bench
 from fulcrum.loadgen.inputs import LengthDist
 from fulcrum.loadgen.kserve import V2Inputs
-from fulcrum.loadgen.report import compare_table
 from fulcrum.loadgen.results import BenchRun
 from fulcrum.loadgen.windows import MeasurePlan
 
@@ -32,6 +32,26 @@ def _bench(url: str, label: str, duration_s: float) -> BenchRun:
     return run_bench(options, progress=True)
 
 
+def _table(runs: list[BenchRun]) -> Table:
+    """A compact side-by-side table that fits an 80-column terminal."""
+    table = Table(title="minilm: batch-1 vs dynamic batching (closed loop, latency in ms)")
+    for header in ("config", "clients", "req/s", "P50", "P99", "batch", "queue", "compute"):
+        table.add_column(header, justify="left" if header == "config" else "right")
+    for run in runs:
+        for i, p in enumerate(run.points):
+            table.add_row(
+                run.label if i == 0 else "", f"{p.level:g}", f"{p.throughput_rps:.0f}",
+                f"{p.latency.p50_ms:.1f}", f"{p.latency.p99_ms:.1f}",
+                _fmt(p.header_batch_size), _fmt(p.header_queue_ms), _fmt(p.header_compute_ms),
+                end_section=i == len(run.points) - 1,
+            )  # fmt: skip
+    return table
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def batching_trade_off(url: str, *, duration_s: float, console: Console) -> None:
     """Bench `minilm` reloaded as batch-1, then with its own dynamic batching config."""
     console.rule("[bold]the latency/throughput trade-off of minilm")
@@ -39,7 +59,7 @@ def batching_trade_off(url: str, *, duration_s: float, console: Console) -> None
     batch_one = _bench(url, "batch-1", duration_s)
     _reload(url, None)
     batched = _bench(url, "dynamic batching", duration_s)
-    console.print(compare_table([batch_one, batched]))
+    console.print(_table([batch_one, batched]))
     a, b = batch_one.points[-1], batched.points[-1]
     console.print(
         f"At {CONCURRENCY[-1]} concurrent clients dynamic batching serves "
