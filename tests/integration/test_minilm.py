@@ -81,6 +81,20 @@ def test_a_batch_equals_single_requests_despite_padding(backend: OnnxBackend) ->
     np.testing.assert_allclose(batched, singles, atol=1e-5)
 
 
+@pytest.mark.parametrize("bucket_rows", [1, 2, 3])
+def test_length_buckets_keep_row_order_and_values(
+    example_repo: Path, backend: OnnxBackend, bucket_rows: int
+) -> None:
+    folder = example_repo / "minilm"
+    config = load_model_config(folder / "config.toml", dir_name="minilm")
+    params = {**config.parameters, "length_bucket_rows": bucket_rows}
+    bucketed = OnnxBackend(msgspec.structs.replace(config, parameters=params), folder / "1")
+    rows = SENTENCES * 2
+    expected = backend.execute({"text": texts(rows)})["embedding"]
+    got = bucketed.execute({"text": texts(rows)})["embedding"]
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
 def test_flat_and_column_text_shapes_agree(backend: OnnxBackend) -> None:
     column = backend.execute({"text": texts(SENTENCES[:3])})["embedding"]
     flat = backend.execute({"text": texts(SENTENCES[:3], column=False)})["embedding"]

@@ -1,6 +1,8 @@
 """ONNX Runtime backend: one `InferenceSession` per instance, fed by config names.
 
-When the config has a `[tokenizer]`, its BYTES input is turned into token tensors first.
+When the config has a `[tokenizer]`, its BYTES input is turned into token tensors first, and
+with `length_bucket_rows = N` a batch is sorted by token length and run in chunks of N rows,
+each padded only to its own longest row.
 """
 
 from __future__ import annotations
@@ -98,6 +100,12 @@ class OnnxBackend:
         self.graph_types = {i.name: _ort_dtype(i.type, i.name) for i in self.session.get_inputs()}
         self._check_inputs(config)
         self.output_names = self._output_names(config)
+        self.bucket_rows = get_int(params, "length_bucket_rows", 0)
+        if self.bucket_rows and (self.front is None or _has_dynamic_output(config)):
+            raise ConfigError(
+                f"parameter 'length_bucket_rows' = {self.bucket_rows}: needs a [tokenizer] and "
+                "outputs without dynamic axes"
+            )
 
     def _check_inputs(self, config: ModelConfig) -> None:
         provided = {spec.name for spec in config.inputs}
@@ -129,11 +137,35 @@ class OnnxBackend:
     def execute(self, inputs: TensorMap) -> TensorMap:
         """Run one batch; ONNX Runtime releases the GIL while it computes."""
         feeds = self._feeds(inputs)
+        if self.front is None or not 0 < self.bucket_rows < _num_rows(feeds):
+            return self._run(feeds)
+        return self._run_bucketed(feeds)
+
+    def _run(self, feeds: TensorMap) -> TensorMap:
         try:
             values = self.session.run(self.output_names, feeds)
         except Exception as exc:
             raise ModelError(f"model {self.name!r} failed: {exc}") from exc
         return dict(zip(self.output_names, values, strict=True))
+
+    def _run_bucketed(self, feeds: TensorMap) -> TensorMap:
+        """Sort rows by length, run chunks padded to their own longest, restore the order.
+        Padding is on the right, so cutting a chunk's columns to its longest row is exact."""
+        assert self.front is not None
+        lengths = feeds[self.front.spec.mask].sum(axis=1)  # (N,)
+        order = np.argsort(lengths, kind="stable")
+        parts: list[TensorMap] = []
+        for start in range(0, len(order), self.bucket_rows):
+            rows = order[start : start + self.bucket_rows]
+            width = int(lengths[rows].max())
+            parts.append(self._run({k: v[rows, :width] for k, v in feeds.items()}))
+        outputs: TensorMap = {}
+        for name in self.output_names:
+            merged = np.concatenate([part[name] for part in parts])
+            out = np.empty_like(merged)
+            out[order] = merged
+            outputs[name] = out
+        return outputs
 
     def _feeds(self, inputs: TensorMap) -> TensorMap:
         tensors = dict(inputs)
@@ -156,6 +188,14 @@ class OnnxBackend:
     def close(self) -> None:
         # ORT frees the session when the last reference goes; drop ours now.
         self.__dict__.pop("session", None)
+
+
+def _num_rows(feeds: TensorMap) -> int:
+    return len(next(iter(feeds.values()))) if feeds else 0
+
+
+def _has_dynamic_output(config: ModelConfig) -> bool:
+    return any(-1 in spec.shape for spec in config.outputs)
 
 
 def _ort_dtype(type_name: str, input_name: str) -> np.dtype[np.generic]:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+LARGE_PROMPT_CHARS = 16 * 1024
 _json = msgspec.json.Encoder()
 
 
@@ -57,6 +58,13 @@ def openai_routes(service: LLMService) -> list[Route]:
         Route("/v1/chat/completions", _errors(api.chat), methods=["POST"]),
         Route("/v1/models", _errors(api.models), methods=["GET"]),
     ]
+
+
+async def _encode_large(engine: AsyncLLMEngine, prompt: str | list[int]) -> str | list[int]:
+    # Tokenising a long text takes milliseconds per 100 KB: do it off the event loop.
+    if isinstance(prompt, str) and len(prompt) > LARGE_PROMPT_CHARS:
+        return await asyncio.to_thread(engine.encode, prompt)
+    return prompt
 
 
 def _json_response(content: object, status_code: int = 200) -> Response:
@@ -132,7 +140,7 @@ class _OpenAIApi:
         body = decode_request(await read_body(request, MAX_BODY_BYTES), CompletionRequest)
         check_unsupported(body)
         engine = self.service.llm_engine(body.model)
-        prompt = completion_prompt(body)
+        prompt = await _encode_large(engine, completion_prompt(body))
         sampling = sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = engine.generate(
@@ -148,7 +156,8 @@ class _OpenAIApi:
         body = decode_request(await read_body(request, MAX_BODY_BYTES), ChatCompletionRequest)
         check_unsupported(body)
         engine = self.service.llm_engine(body.model)
-        prompt_ids = engine.encode(engine.apply_chat_template(chat_messages(body)))
+        prompt = await _encode_large(engine, engine.apply_chat_template(chat_messages(body)))
+        prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else prompt
         # Without a limit, a chat answer may use whatever context the prompt leaves (vLLM's rule).
         max_tokens = body.max_completion_tokens or body.max_tokens
         sampling = sampling_params(
