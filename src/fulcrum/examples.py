@@ -97,7 +97,21 @@ def build_minilm(repository: Path) -> str:
 
 # The extension point: each builder writes one model folder and returns its name. More examples
 # (tiny-gpt2, tiny-llama) join by adding their builder function to this list.
-BUILDERS: list[ExampleBuilder] = [build_minilm]
+def build_tiny_gpt2(directory: Path) -> str:
+    """`tiny-gpt2`: a GPT-2 with seeded random weights (torch imported only here)."""
+    from fulcrum.llm.examples import build_tiny_gpt2 as build
+
+    return build(directory)
+
+
+def build_tiny_llama(directory: Path) -> str:
+    """`tiny-llama`: a Llama (RoPE, RMSNorm, GQA, SwiGLU) with seeded random weights."""
+    from fulcrum.llm.examples import build_tiny_llama as build
+
+    return build(directory)
+
+
+BUILDERS: list[ExampleBuilder] = [build_minilm, build_tiny_gpt2, build_tiny_llama]
 
 
 def build_examples(directory: Path) -> list[str]:

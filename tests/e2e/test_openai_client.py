@@ -78,8 +78,24 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(server: Server) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_real_fulcrum_serve_with_the_example_llms(server_url: str) -> None:
+    """`fulcrum serve` over the example repository: both tiny LLMs, streaming and not."""
+    with openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0) as c:
+        assert {m.id for m in c.models.list()} >= {"tiny-gpt2", "tiny-llama"}
+        for model in ("tiny-gpt2", "tiny-llama"):
+            done = c.completions.create(model=model, prompt="The server", max_tokens=8,
+                                        temperature=0)  # fmt: skip
+            assert done.usage is not None and done.usage.completion_tokens == 8
+            chunks = list(c.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+                temperature=0, stream=True,
+            ))  # fmt: skip
+            assert chunks and chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_models_and_completion(client: openai.OpenAI) -> None:

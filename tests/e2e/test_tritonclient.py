@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
@@ -15,8 +17,10 @@ SENTENCES = [
 
 
 @pytest.fixture(scope="module")
-def client(server_url: str) -> httpclient.InferenceServerClient:
-    return httpclient.InferenceServerClient(server_url.removeprefix("http://"), concurrency=4)
+def client(server_url: str) -> Iterator[httpclient.InferenceServerClient]:
+    triton = httpclient.InferenceServerClient(server_url.removeprefix("http://"), concurrency=4)
+    yield triton
+    triton.close()
 
 
 def embed(

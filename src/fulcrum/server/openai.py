@@ -141,7 +141,8 @@ class _OpenAIApi:
         check_unsupported(body)
         engine = self.service.llm_engine(body.model)
         prompt = await _encode_large(engine, completion_prompt(body))
-        sampling = sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        sampling = sampling_params(body, max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = engine.generate(
             prompt,
@@ -159,10 +160,12 @@ class _OpenAIApi:
         prompt = await _encode_large(engine, engine.apply_chat_template(chat_messages(body)))
         prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else prompt
         # Without a limit, a chat answer may use whatever context the prompt leaves (vLLM's rule).
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        sampling = sampling_params(
-            body, max_tokens or max(1, engine.max_model_len - len(prompt_ids))
+        max_tokens = (
+            body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         )
+        if max_tokens is None:
+            max_tokens = max(1, engine.max_model_len - len(prompt_ids))
+        sampling = sampling_params(body, max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.generate(
             prompt_ids,

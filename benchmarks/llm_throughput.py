@@ -1,0 +1,276 @@
+"""Continuous batching vs transformers' `generate` on the tiny Llama, in one run.
+
+    .venv/bin/python benchmarks/llm_throughput.py [--num-requests 128] [--rate 200] [--record]
+
+A mixed workload (prompt 16-256 tokens, output 8-128 tokens, Poisson arrivals at --rate
+requests/s) is served three ways in this process on the CPU: Fulcrum's engine (continuous
+batching, paged KV cache), `generate` one request at a time (FIFO), and `generate` in static
+batches of each of --batch-sizes (a batch forms from what has arrived and returns when its
+longest member is done). Then a shared-system-prompt workload runs on the engine with prefix
+caching on and off. Reports output tokens/s, P50/P99 time to first token and end-to-end latency;
+--record appends the figures to benchmarks/RESULTS.md. Needs transformers (a test dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fulcrum.llm.examples import build_tiny_llama
+from fulcrum.llm.loader import load_checkpoint
+from fulcrum.llm.params import EngineParams
+from fulcrum.llm.sampling_params import SamplingParams
+from fulcrum.llm.sync_engine import LLMEngine
+
+
+@dataclass
+class Request:
+    arrival_s: float
+    prompt: list[int]
+    num_output_tokens: int
+    first_token_s: float = 0.0
+    done_s: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    name: str
+    tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    e2e_p50_s: float
+    e2e_p99_s: float
+
+
+def workload(num: int, rate: float, seed: int, *, system_prompt_len: int = 0) -> list[Request]:
+    """Poisson arrivals; varied lengths (or a shared system prompt plus a short question)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 500) for _ in range(system_prompt_len)]
+    t, requests = 0.0, []
+    for _ in range(num):
+        t += rng.expovariate(rate)
+        if system_prompt_len:
+            prompt, num_out = (
+                system + [rng.randrange(3, 500) for _ in range(rng.randint(8, 32))],
+                16,
+            )
+        else:
+            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(16, 256))]
+            num_out = rng.randint(8, 128)
+        requests.append(Request(t, prompt, num_out))
+    return requests
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(name: str, requests: list[Request], start_s: float) -> Result:
+    span_s = max(r.done_s for r in requests) - start_s
+    ttft = [r.first_token_s - (start_s + r.arrival_s) for r in requests]
+    e2e = [r.done_s - (start_s + r.arrival_s) for r in requests]
+    num_tokens = sum(r.num_output_tokens for r in requests)
+    return Result(
+        name,
+        num_tokens / span_s,
+        _pct(ttft, 0.5),
+        _pct(ttft, 0.99),
+        _pct(e2e, 0.5),
+        _pct(e2e, 0.99),
+    )
+
+
+def run_engine(name: str, engine: LLMEngine, requests: list[Request]) -> Result:
+    """Requests join the running batch at the first step after they arrive."""
+    by_id = {str(i): r for i, r in enumerate(requests)}
+    pending = list(by_id.items())
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0][1].arrival_s <= now:
+            rid, r = pending.pop(0)
+            engine.add_request(
+                rid,
+                r.prompt,
+                SamplingParams(max_tokens=r.num_output_tokens, temperature=0.0, ignore_eos=True),
+            )
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0][1].arrival_s - now))
+            continue
+        for out in engine.step():
+            r = by_id[out.request_id]
+            r.first_token_s = r.first_token_s or time.perf_counter()
+            r.tokens += out.new_token_ids
+            if out.finished:
+                r.done_s = time.perf_counter()
+    return summarize(name, requests, start)
+
+
+class _FirstToken:
+    """A `generate` streamer that notes when the first new token appears."""
+
+    def __init__(self) -> None:
+        self.num_puts = 0
+        self.first_s = 0.0
+
+    def put(self, value: Any) -> None:
+        self.num_puts += 1
+        if self.num_puts == 2:  # the first put is the prompt
+            self.first_s = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(model: Any, batch: list[Request]) -> float:
+    """Left-padded batch through `generate`; returns the time of the first new token."""
+    width = max(len(r.prompt) for r in batch)
+    ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch])
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+    num_new = max(r.num_output_tokens for r in batch)
+    streamer = _FirstToken()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
+    for row, r in enumerate(batch):
+        r.tokens = out[row, width : width + r.num_output_tokens].tolist()
+    return streamer.first_s
+
+
+def run_static(name: str, model: Any, requests: list[Request], batch_size: int) -> Result:
+    """Batches of what has arrived (at most batch_size); each returns when its longest is done."""
+    queue = list(requests)
+    start = time.perf_counter()
+    while queue:
+        now = time.perf_counter() - start
+        if queue[0].arrival_s > now:
+            time.sleep(queue[0].arrival_s - now)
+            now = queue[0].arrival_s
+        batch = [r for r in queue[:batch_size] if r.arrival_s <= now]
+        del queue[: len(batch)]
+        first_s = _hf_generate(model, batch)
+        done_s = time.perf_counter()
+        for r in batch:
+            r.first_token_s, r.done_s = first_s, done_s
+    return summarize(name, requests, start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--rate", type=float, default=200.0, help="Poisson arrivals per second")
+    parser.add_argument("--batch-sizes", default="8,32", help="static batch sizes, comma-separated")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument(
+        "--shared-rate",
+        type=float,
+        default=100.0,
+        help="arrivals per second of the shared-system-prompt workload",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for both sides (1: robust on a shared machine)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    directory = Path(tempfile.mkdtemp())
+    version_dir = directory / build_tiny_llama(directory) / "1"
+    hf: Any = transformers.AutoModelForCausalLM.from_pretrained(version_dir)
+    hf.eval()
+    params = EngineParams(
+        max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_mb=64
+    )
+
+    def fresh(prefix_caching: bool = True) -> LLMEngine:
+        return LLMEngine(
+            load_checkpoint(version_dir),
+            EngineParams(**{**params.__dict__, "enable_prefix_caching": prefix_caching}),
+        )
+
+    def mixed() -> list[Request]:
+        return workload(args.num_requests, args.rate, args.seed)
+
+    _hf_generate(hf, mixed()[:2])  # warm-up both sides
+    run_engine("warm-up", fresh(), mixed()[:4])
+    results = [run_engine("engine (continuous batching)", fresh(), mixed())]
+    for size in (int(b) for b in args.batch_sizes.split(",")):
+        results.append(run_static(f"generate, static batches of {size}", hf, mixed(), size))
+    results.append(run_static("generate, one at a time", hf, mixed(), 1))
+    shared = [
+        run_engine(
+            label, fresh(on), workload(32, args.shared_rate, args.seed + 1, system_prompt_len=512)
+        )
+        for on, label in ((True, "prefix caching on"), (False, "prefix caching off"))
+    ]
+    report = render(args, results, shared)
+    print(report)
+    if args.record:
+        with (Path(__file__).parent / "RESULTS.md").open("a") as f:
+            f.write(report)
+
+
+def _table(results: list[Result]) -> list[str]:
+    lines = [
+        "| setup | output tok/s | TTFT P50 s | TTFT P99 s | e2e P50 s | e2e P99 s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {r.name} | {r.tokens_per_s:.0f} | {r.ttft_p50_s:.3f} | {r.ttft_p99_s:.3f} | "
+        f"{r.e2e_p50_s:.3f} | {r.e2e_p99_s:.3f} |"
+        for r in results
+    ]
+    return lines
+
+
+def render(args: argparse.Namespace, results: list[Result], shared: list[Result]) -> str:
+    engine = results[0]
+    static = max(results[1:-1], key=lambda r: r.tokens_per_s)
+    on, off = shared
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"\n## LLM engine throughput (benchmarks/llm_throughput.py), {when}\n",
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}, CPU. Model: tiny-llama (2 layers, hidden 64, float32).",
+        f"Workload: {args.num_requests} requests, Poisson {args.rate}/s, prompt 16-256, output "
+        f"8-128 tokens, greedy; engine max_num_batched_tokens={args.max_num_batched_tokens}.\n",
+        *_table(results),
+        "",
+        f"Engine / best static batching ({static.name}): "
+        f"{engine.tokens_per_s / static.tokens_per_s:.1f}x output "
+        f"tokens/s, P99 e2e {engine.e2e_p99_s:.2f} s vs {static.e2e_p99_s:.2f} s.\n",
+        f"Shared 512-token system prompt + 8-32-token question, 16 output tokens, 32 requests, "
+        f"Poisson {args.shared_rate}/s:\n",
+        *_table(shared),
+        "",
+        f"Prefix caching: {on.tokens_per_s / off.tokens_per_s:.1f}x output tokens/s, "
+        f"TTFT P50 {off.ttft_p50_s / max(on.ttft_p50_s, 1e-9):.1f}x lower.\n",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Load a Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json and the
+tokenizer/generation configs (eos ids, chat template). Safetensors only: pickle is never read."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from fulcrum.errors import ConfigError
+from fulcrum.llm.models import CausalLM, build_model
+
+# Non-parameter tensors some checkpoints carry (causal-mask and RoPE buffers); recomputed here.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedLLM:
+    """A model ready to run, its tokenizer, and what the checkpoint says about generation."""
+
+    model: CausalLM
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+    special_tokens: dict[str, str]  # bos_token / eos_token strings, for the chat template
+    max_model_len: int
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from disk, or ConfigError naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_checkpoint(directory: Path, *, dtype: str = "float32", device: str = "cpu") -> LoadedLLM:
+    """Build the model for `directory/config.json` and fill it from its safetensors files."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"key 'dtype' = {dtype!r}: expected one of {sorted(DTYPES)}")
+    raw_config = read_json(directory / "config.json")
+    module = build_model(raw_config)
+    model: CausalLM = module  # type: ignore[assignment]
+    _load_weights(module, model, directory)
+    module.to(dtype=DTYPES[dtype], device=torch.device(device)).eval()
+    tokenizer_path = directory / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise ConfigError(f"{directory}: no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    tok_config = _optional_json(directory / "tokenizer_config.json")
+    gen_config = _optional_json(directory / "generation_config.json")
+    return LoadedLLM(
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(gen_config, raw_config, tok_config, tokenizer),
+        chat_template=_chat_template(tok_config),
+        special_tokens={
+            key: _token_text(tok_config.get(key))
+            for key in ("bos_token", "eos_token")
+            if tok_config.get(key)
+        },
+        max_model_len=model.max_model_len,
+    )
+
+
+def _load_weights(module: torch.nn.Module, model: CausalLM, directory: Path) -> None:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{directory}: no *.safetensors weights (pickle files are refused)")
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if key.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    name = model.checkpoint_name(key)
+                    if name not in params:
+                        raise ConfigError(f"{file}: unexpected weight {key!r}")
+                    tensor = handle.get_tensor(key)
+                    if name.endswith(model.transposed_weights) and name != "lm_head.weight":
+                        tensor = tensor.t()
+                    _copy(params[name], tensor, file, key)
+                    loaded.add(name)
+    # A tied head shares its tensor with the embedding, so named_parameters lists it once.
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ConfigError(f"{directory}: weights missing from the checkpoint: {missing[:5]}")
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, file: Path, key: str) -> None:
+    if param.shape != tensor.shape:
+        raise ConfigError(
+            f"{file}: weight {key!r} has shape {list(tensor.shape)}, expected {list(param.shape)}"
+        )
+    param.copy_(tensor.to(param.dtype))
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    return read_json(path) if path.is_file() else {}
+
+
+def _token_text(token: Any) -> str:
+    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
+    return str(token.get("content", "")) if isinstance(token, dict) else str(token)
+
+
+def _eos_ids(
+    gen_config: dict[str, Any],
+    raw_config: dict[str, Any],
+    tok_config: dict[str, Any],
+    tokenizer: Tokenizer,
+) -> tuple[int, ...]:
+    value = gen_config.get("eos_token_id", raw_config.get("eos_token_id"))
+    if value is None and tok_config.get("eos_token"):
+        value = tokenizer.token_to_id(_token_text(tok_config["eos_token"]))
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def _chat_template(tok_config: dict[str, Any]) -> str | None:
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None

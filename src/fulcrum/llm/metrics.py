@@ -1,0 +1,97 @@
+"""The LLM engine's Prometheus metrics, with vLLM's meanings, on a registry passed in.
+
+Latencies are histograms (so replicas aggregate); every series carries only the `model` label
+(plus `finished_reason` on the request counter), so request content never creates a series.
+The metric families are created once per registry and shared by every LLM model (and every
+version, across reloads) registered on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                    0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+_REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                      40.0, 50.0, 60.0, 120.0, 240.0)  # fmt: skip
+PREFIX = "fulcrum_llm_"
+
+
+class _Families:
+    """Every LLM metric family of one registry, labelled by model."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model"], registry=registry, buckets=buckets)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, ["model"], registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model"], registry=registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.",
+                         _TTFT_BUCKETS_S)  # fmt: skip
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                        _TOKEN_BUCKETS_S)  # fmt: skip
+        self.tpot = hist("time_per_output_token_seconds",
+                         "Per request: (e2e - ttft) / (output tokens - 1).",
+                         _TOKEN_BUCKETS_S)  # fmt: skip
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last output token.",
+                        _REQUEST_BUCKETS_S)  # fmt: skip
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled step.",
+                          _REQUEST_BUCKETS_S)  # fmt: skip
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting (preempted included).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.preemptions = counter("num_preemptions", "Preemptions by recompute.")
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")  # fmt: skip
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                               ["model", "finished_reason"], registry=registry)  # fmt: skip
+
+
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+_families_lock = threading.Lock()
+
+
+def _families_of(registry: CollectorRegistry) -> _Families:
+    with _families_lock:
+        families = _families.get(registry)
+        if families is None:
+            families = _families[registry] = _Families(registry)
+        return families
+
+
+class LLMMetrics:
+    """Instruments of one model's engine; safe to call from the engine thread."""
+
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        f = _families_of(registry)
+        self.ttft_s = f.ttft.labels(model)
+        self.itl_s = f.itl.labels(model)
+        self.tpot_s = f.tpot.labels(model)
+        self.e2e_s = f.e2e.labels(model)
+        self.queue_s = f.queue.labels(model)
+        self.running = f.running.labels(model)
+        self.waiting = f.waiting.labels(model)
+        self.kv_usage = f.kv_usage.labels(model)
+        self.preemptions = f.preemptions.labels(model)
+        self.prefix_queries = f.prefix_queries.labels(model)
+        self.prefix_hits = f.prefix_hits.labels(model)
+        self.prompt_tokens = f.prompt_tokens.labels(model)
+        self.generation_tokens = f.generation_tokens.labels(model)
+        self._success = f.success
+        self._model = model
+
+    def request_finished(self, finish_reason: str) -> None:
+        """Count one finished request (stop, length or abort)."""
+        self._success.labels(self._model, finish_reason).inc()

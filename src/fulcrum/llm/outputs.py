@@ -1,0 +1,95 @@
+"""What the engine hands back per request and step, and the per-request state behind it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fulcrum.llm.detokenizer import IncrementalDetokenizer
+from fulcrum.llm.metrics import LLMMetrics
+from fulcrum.llm.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one request, as OpenAI's `usage` reports them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One step's increment of one request: new tokens and text; finish_reason when it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None  # "stop", "length", "abort"; None while running
+    usage: Usage
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    """A request as the engine tracks it: its sequence, text so far, and timestamps."""
+
+    request_id: str
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    num_sent_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+
+    def on_scheduled(self, now_s: float, metrics: LLMMetrics | None) -> None:
+        """Record the first time the request is in a step (its queue time)."""
+        if self.first_scheduled_s is None:
+            self.first_scheduled_s = now_s
+            if metrics is not None:
+                metrics.queue_s.observe(now_s - self.arrival_s)
+
+    def on_token(self, now_s: float, metrics: LLMMetrics | None) -> None:
+        """Record a new output token's time (TTFT or inter-token latency)."""
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+            if metrics is not None:
+                metrics.ttft_s.observe(now_s - self.arrival_s)
+        elif metrics is not None and self.last_token_s is not None:
+            metrics.itl_s.observe(now_s - self.last_token_s)
+        self.last_token_s = now_s
+        if metrics is not None:
+            metrics.generation_tokens.inc()
+
+    def on_finished(self, now_s: float, metrics: LLMMetrics | None, reason: str) -> None:
+        """Record end-to-end latency and time per output token."""
+        if metrics is None:
+            return
+        metrics.request_finished(reason)
+        metrics.prompt_tokens.inc(self.seq.num_prompt_tokens)
+        metrics.e2e_s.observe(now_s - self.arrival_s)
+        num_output = self.seq.num_output_tokens
+        if self.first_token_s is not None and num_output > 1:
+            metrics.tpot_s.observe((now_s - self.first_token_s) / (num_output - 1))
+
+    def output(self, finish_reason: str | None) -> RequestOutput:
+        """The increment since the last output."""
+        seq = self.seq
+        new_ids = seq.output_token_ids[self.num_sent_tokens :]
+        self.num_sent_tokens = seq.num_output_tokens
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new_ids,
+            new_text=self.detokenizer.take(final=finish_reason is not None),
+            finish_reason=finish_reason,
+            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
+        )

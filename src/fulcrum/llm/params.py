@@ -1,0 +1,91 @@
+"""Engine parameters from a `platform = "llm"` model's `[parameters]` table, validated once.
+
+`max_num_batched_tokens` is THE latency/throughput dial: it caps the tokens one engine step
+computes (decodes plus prefill chunks). Small values keep every step short, which favours time to
+first token of running requests and inter-token latency; large values fill the hardware with
+prefill work, which favours throughput and the TTFT of long prompts under light load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fulcrum.errors import ConfigError
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    """How one LLM engine runs; every field is a key of `[parameters]` in config.toml."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 0  # 0: size the pool from kv_cache_memory_mb
+    kv_cache_memory_mb: float = 256.0
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 1024  # token budget per step: the latency/throughput dial
+    max_num_waiting: int = 256  # admission queue bound; beyond it requests get 503
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    max_model_len: int = 0  # 0: the model's own limit
+    drain_timeout_s: float = 10.0  # stop(): how long in-flight requests may finish
+
+    @classmethod
+    def from_parameters(cls, parameters: dict[str, Any]) -> EngineParams:
+        """Read and check `config.parameters`; ConfigError names the key and the value."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in parameters.items():
+            if key not in known:
+                raise ConfigError(
+                    f"key 'parameters.{key}': unknown; expected one of {sorted(known)}"
+                )
+            values[key] = _coerce(key, value, type(getattr(cls, key)))
+        params = cls(**values)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        """Range checks."""
+        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"key 'parameters.{key}' = {getattr(self, key)}: must be >= 1")
+        for key in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"key 'parameters.{key}' = {getattr(self, key)}: must be >= 0")
+        if self.kv_cache_memory_mb <= 0:
+            raise ConfigError(
+                f"key 'parameters.kv_cache_memory_mb' = {self.kv_cache_memory_mb}: must be > 0"
+            )
+        if self.drain_timeout_s < 0:
+            raise ConfigError(
+                f"key 'parameters.drain_timeout_s' = {self.drain_timeout_s}: must be >= 0"
+            )
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"key 'parameters.dtype' = {self.dtype!r}: expected one of {_DTYPES}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ConfigError(
+                f"key 'parameters.device' = {self.device!r}: expected auto, cpu or cuda[:N]"
+            )
+
+    def resolve_device(self) -> str:
+        """The torch device to run on: cuda when asked or available, else cpu."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    # bool is an int subclass: `block_size = true` is a mistake, not 1.
+    ok = (
+        isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is not float
+        else isinstance(value, int | float) and not isinstance(value, bool)
+    )
+    if not ok:
+        raise ConfigError(f"key 'parameters.{key}' = {value!r}: expected {kind.__name__}")
+    return float(value) if kind is float else value

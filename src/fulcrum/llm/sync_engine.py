@@ -1,0 +1,210 @@
+"""LLMEngine: the synchronous step loop (schedule -> run -> update -> detokenize) over one model;
+`fulcrum.llm.engine.AsyncLLMEngine` drives it from one dedicated thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import torch
+
+from fulcrum.errors import InvalidInput
+from fulcrum.llm.block_manager import BlockManager
+from fulcrum.llm.chat import render_chat
+from fulcrum.llm.detokenizer import IncrementalDetokenizer
+from fulcrum.llm.loader import DTYPES, LoadedLLM, load_checkpoint
+from fulcrum.llm.metrics import LLMMetrics
+from fulcrum.llm.outputs import RequestOutput, RequestState
+from fulcrum.llm.params import EngineParams
+from fulcrum.llm.runner import ModelRunner, num_blocks_for_budget
+from fulcrum.llm.sampling_params import SamplingParams
+from fulcrum.llm.scheduler import Scheduler
+from fulcrum.llm.sequence import FinishReason, Sequence
+from fulcrum.types import Clock, MonotonicClock
+
+
+class LLMEngine:
+    """Continuous batching over one model; not thread-safe: one thread calls every method."""
+
+    def __init__(
+        self,
+        loaded: LoadedLLM,
+        params: EngineParams,
+        *,
+        metrics: LLMMetrics | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.params = params
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.chat_template = loaded.chat_template
+        self.special_tokens = loaded.special_tokens
+        self.vocab_size = loaded.model.vocab_size
+        dtype = DTYPES[params.dtype]
+        device = torch.device(params.resolve_device())
+        num_blocks = params.num_kv_blocks or num_blocks_for_budget(
+            loaded.model, params.block_size, params.kv_cache_memory_mb, dtype
+        )
+        # No sequence can outgrow the KV pool, so the pool caps the usable context too.
+        self.max_model_len = min(
+            params.max_model_len or loaded.max_model_len,
+            loaded.max_model_len,
+            num_blocks * params.block_size,
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            block_size=params.block_size,
+            num_kv_blocks=num_blocks,
+            device=device,
+            dtype=dtype,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, params.block_size, enable_prefix_caching=params.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=params.max_num_seqs,
+            max_num_batched_tokens=params.max_num_batched_tokens,
+            max_num_waiting=params.max_num_waiting,
+        )
+        self.metrics = metrics
+        self.clock: Clock = clock or MonotonicClock()
+        self._requests: dict[str, RequestState] = {}
+        self._by_seq: dict[int, RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._num_preemptions_seen = 0
+        self._prefix_seen = (0, 0)
+
+    @classmethod
+    def from_checkpoint(
+        cls, directory: Path, params: EngineParams, *, metrics: LLMMetrics | None = None
+    ) -> LLMEngine:
+        """Load a Hugging Face checkpoint directory and build the engine for it."""
+        loaded = load_checkpoint(directory, dtype=params.dtype, device=params.resolve_device())
+        return cls(loaded, params, metrics=metrics)
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt."""
+        return list(self.tokenizer.encode(prompt).ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for chat messages."""
+        return render_chat(messages, self.chat_template, self.special_tokens)
+
+    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise InvalidInput (naming the field) for a request that can never run."""
+        sampling.validate()
+        if not prompt_token_ids:
+            raise InvalidInput("prompt: must have at least one token")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidInput(f"prompt: token ids must lie in 0..{self.vocab_size - 1}")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt + sampling.max_tokens > self.max_model_len:
+            raise InvalidInput(
+                f"max_tokens: prompt ({num_prompt} tokens) + max_tokens ({sampling.max_tokens}) "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_s: float | None = None,
+    ) -> None:
+        """Queue a request; InvalidInput for a bad one, QueueFull beyond max_num_waiting."""
+        if request_id in self._requests:
+            raise InvalidInput(f"request id {request_id!r} is already running")
+        self.check_request(prompt_token_ids, sampling)
+        eos, *more_eos = self.eos_token_ids or (None,)
+        if more_eos and not sampling.ignore_eos:
+            stops = tuple(dict.fromkeys(sampling.stop_token_ids + tuple(more_eos)))
+            sampling = dataclasses.replace(sampling, stop_token_ids=stops)
+        arrival = self.clock.now() if arrival_s is None else arrival_s
+        seq = Sequence(
+            next(self._seq_ids),
+            prompt_token_ids,
+            sampling,
+            arrival_s=arrival,
+            priority=priority,
+            cache_salt=cache_salt,
+            eos_token_id=eos,
+        )
+        self.scheduler.add(seq)
+        state = RequestState(
+            request_id, seq, IncrementalDetokenizer(self.tokenizer, sampling.stop), arrival
+        )
+        self._requests[request_id] = state
+        self._by_seq[seq.seq_id] = state
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; its final output, or None if unknown."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        self.scheduler.abort(state.seq.seq_id)
+        return self._finish(state, FinishReason.ABORT.value)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request (shutdown); their final outputs."""
+        return [out for rid in list(self._requests) if (out := self.abort(rid)) is not None]
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; outputs of the requests that got a token (or finished) in it."""
+        batch = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if not batch.is_empty:
+            now_s = self.clock.now()
+            for seq in batch.seqs:
+                self._by_seq[seq.seq_id].on_scheduled(now_s, self.metrics)
+            sampled = self.runner.run(batch)
+            updated = self.scheduler.update(batch, sampled)
+            now_s = self.clock.now()
+            outputs = [self._postprocess(self._by_seq[seq.seq_id], now_s) for seq in updated]
+        self._update_gauges()
+        return outputs
+
+    def _postprocess(self, state: RequestState, now_s: float) -> RequestOutput:
+        seq = state.seq
+        state.on_token(now_s, self.metrics)
+        state.detokenizer.add(seq.token_ids[-1])
+        if state.detokenizer.stopped and not seq.is_finished:
+            self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+        if seq.finish_reason is not None:
+            return self._finish(state, seq.finish_reason.value)
+        return state.output(None)
+
+    def _finish(self, state: RequestState, reason: str) -> RequestOutput:
+        del self._requests[state.request_id]
+        del self._by_seq[state.seq.seq_id]
+        self.runner.release(state.seq.seq_id)
+        state.on_finished(self.clock.now(), self.metrics, reason)
+        return state.output(reason)
+
+    def _update_gauges(self) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        metrics.running.set(self.scheduler.num_running)
+        metrics.waiting.set(self.scheduler.num_waiting)
+        metrics.kv_usage.set(self.block_manager.usage())
+        num_preemptions = self.scheduler.num_preemptions
+        metrics.preemptions.inc(num_preemptions - self._num_preemptions_seen)
+        self._num_preemptions_seen = num_preemptions
+        stats = self.block_manager.stats
+        seen_queries, seen_hits = self._prefix_seen
+        metrics.prefix_queries.inc(stats.num_queries - seen_queries)
+        metrics.prefix_hits.inc(stats.num_hits - seen_hits)
+        self._prefix_seen = (stats.num_queries, stats.num_hits)

@@ -1,0 +1,43 @@
+"""The LLM engine on CUDA: greedy tokens equal the CPU engine's, float32 and bfloat16 runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fulcrum.llm.examples import build_tiny_llama
+from fulcrum.llm.params import EngineParams
+from fulcrum.llm.sampling_params import SamplingParams
+from fulcrum.llm.sync_engine import LLMEngine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _generate(directory: Path, **params: object) -> dict[str, list[int]]:
+    engine = LLMEngine.from_checkpoint(
+        directory,
+        EngineParams(num_kv_blocks=64, block_size=4, max_num_batched_tokens=32, **params),  # type: ignore[arg-type]
+    )
+    for i in range(6):
+        prompt = list(range(5 + i, 40 + 3 * i))
+        engine.add_request(
+            str(i), prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, seed=i)
+        )
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_cuda_matches_cpu(tmp_path: Path) -> None:
+    directory = tmp_path / build_tiny_llama(tmp_path) / "1"
+    cpu = _generate(directory, device="cpu")
+    assert _generate(directory, device="cuda") == cpu
+    half = _generate(directory, device="cuda", dtype="bfloat16")
+    assert sum(len(t) for t in half.values()) == 6 * 12
