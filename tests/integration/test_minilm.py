@@ -132,14 +132,14 @@ def test_token_ids_sent_directly_are_cast_from_int32(
 
 
 def test_rebuilding_is_idempotent_and_keeps_a_tuned_config(tmp_path: Path) -> None:
-    assert build_examples(tmp_path) == ["minilm"]
+    assert build_examples(tmp_path) == ["minilm", "tiny-gpt2", "tiny-llama"]
     model_file = tmp_path / "minilm" / "1" / "model.onnx"
     config_file = tmp_path / "minilm" / "config.toml"
     config_file.write_text(
         config_file.read_text().replace("max_batch_size = 64", "max_batch_size = 8")
     )
     before = os.stat(model_file).st_mtime_ns
-    assert build_examples(tmp_path) == ["minilm"]
+    assert build_examples(tmp_path) == ["minilm", "tiny-gpt2", "tiny-llama"]
     assert os.stat(model_file).st_mtime_ns == before  # not rewritten
     assert "max_batch_size = 8" in config_file.read_text()
     (tmp_path / "minilm" / "1" / ".build-stamp").write_text("stale\n")
