@@ -57,7 +57,10 @@ class V2Api:
 
     def routes(self) -> list[BaseRoute]:
         m, mv = "/v2/models/{model}", "/v2/models/{model}/versions/{version}"
+        # Starlette tries routes in order: the hot infer routes go first.
         table: list[tuple[str, Endpoint, list[str]]] = [
+            (f"{m}/infer", self.infer, ["POST"]),
+            (f"{mv}/infer", self.infer, ["POST"]),
             ("/v2/health/live", self.live, ["GET"]),
             ("/v2/health/ready", self.ready, ["GET"]),
             ("/v2", self.server_metadata, ["GET"]),
@@ -68,8 +71,6 @@ class V2Api:
             (f"{mv}/ready", self.model_ready, ["GET"]),
             (f"{m}/config", self.model_config, ["GET"]),
             (f"{mv}/config", self.model_config, ["GET"]),
-            (f"{m}/infer", self.infer, ["POST"]),
-            (f"{mv}/infer", self.infer, ["POST"]),
             (f"{m}/stats", self.statistics, ["GET"]),
             (f"{mv}/stats", self.statistics, ["GET"]),
             ("/v2/repository/index", self.repository_index, ["POST"]),
