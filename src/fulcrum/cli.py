@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fulcrum import __version__
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -37,6 +42,17 @@ def _serve(args: argparse.Namespace) -> int:
         def handle_exit(self, sig: int, frame: Any) -> None:
             service.begin_shutdown()  # readiness off at once, then uvicorn drains
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises the caught signal after its drain, so a clean SIGTERM shutdown
+            # would exit with status 143; ours exits 0 once the drain is done.
+            previous = {s: signal.signal(s, self.handle_exit) for s in _SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     Server(config).run()
     return 0

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fulcrum import __version__
 from fulcrum.batcher import InferResult
 from fulcrum.config import ModelConfig
-from fulcrum.errors import InvalidInput, NotFound
+from fulcrum.errors import InvalidInput, NotFound, Unavailable
 from fulcrum.metrics import ServerMetrics
 from fulcrum.protocol import (
     InferRequest,
@@ -113,6 +113,10 @@ class Service:
         metrics = self.metrics.for_model(config.name, version)
         return await BatchServable.load(config, version, version_dir, metrics)
 
+    def _check_open(self) -> None:
+        if self._stopping:
+            raise Unavailable("server is shutting down")
+
     def _batch_model(self, name: str, version: int | None) -> BatchServable:
         _, _, servable = self.repository.get(name, version)
         if not isinstance(servable, BatchServable):
@@ -123,6 +127,7 @@ class Service:
         self, name: str, version: int | None, request: InferRequest
     ) -> tuple[int, InferResult]:
         """Validate and run one request; returns the version that served it and its result."""
+        self._check_open()
         servable = self._batch_model(name, version)
         validate_inputs(servable.config, request.inputs)
         validate_requested_outputs(servable.config, request.outputs)
@@ -162,6 +167,7 @@ class Service:
 
     def llm_engine(self, name: str) -> AsyncLLMEngine:
         """The engine serving a generative model (for the OpenAI routes)."""
+        self._check_open()
         _, _, servable = self.repository.get(name)
         if not isinstance(servable, LLMServable):
             raise NotFound(f"model '{name}' is not a generative model")
