@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -101,6 +102,19 @@ async def served_throughput(
     return len(latencies) / duration_s, p50_ms, errors
 
 
+def apply_overrides(path: Path, assignments: list[str]) -> None:
+    """Rewrite a config.toml with dotted `key=value` assignments (values in TOML syntax)."""
+    config = msgspec.toml.decode(path.read_bytes())
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        *parents, leaf = key.strip().split(".")
+        table = config
+        for part in parents:
+            table = table.setdefault(part, {})
+        table[leaf] = msgspec.toml.decode(f"v = {value}".encode())["v"]
+    path.write_bytes(msgspec.toml.encode(config))
+
+
 def token_count(repo: Path, texts: list[str]) -> float:
     from tokenizers import Tokenizer
 
@@ -115,7 +129,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--raw-seconds", type=float, default=2.0, help="per batch size")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--workload", choices=["short", "long"], action="append",
+                        help="run only these workloads (default: both)")  # fmt: skip
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override minilm's config.toml, e.g. --set instances.count=2 (TOML values)",
+    )  # fmt: skip
     args = parser.parse_args()
     import uvloop
 
@@ -123,7 +143,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp)
         build_examples(repo)
+        apply_overrides(repo / "minilm" / "config.toml", args.set)
         for label, num_words in WORKLOADS.items():
+            if args.workload and label.split()[0] not in args.workload:
+                continue
             texts = sentences(2048, num_words, seed=1)
             tokens = token_count(repo, texts)
             rates = raw_throughput(repo, texts, args.raw_seconds)
@@ -148,7 +171,7 @@ def render(rows: list[tuple[str, float, dict[int, float], int, float, float, int
         f"{_cpu_name()}, {_num_cpus()} CPUs",
         "",
         f"Command: `.venv/bin/python benchmarks/serving_efficiency.py --duration {args.duration:g}"
-        f" --concurrency {args.concurrency}`",
+        f" --concurrency {args.concurrency}{''.join(f' --set {a}' for a in args.set)}`",
         "",
         "| workload | mean tokens | raw seq/s by batch size | raw best | served req/s (P50 ms) "
         "| errors | served / raw |",

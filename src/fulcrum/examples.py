@@ -52,7 +52,9 @@ mask = "attention_mask"
 type_ids = "token_type_ids"
 
 [dynamic_batching]
-max_queue_delay_ms = 2
+# No added wait: while the model runs a batch, new requests queue and form the next one, so
+# batches grow with load by themselves; a lone request at light load runs at once.
+max_queue_delay_ms = 0
 
 [instances]
 count = 1
@@ -60,6 +62,9 @@ count = 1
 [parameters]
 intra_op_threads = 2
 allow_spinning = false
+# Sort a batch by token length and run it in chunks of 8 rows, each padded only to its own
+# longest: big batches then cost no more padding than small ones.
+length_bucket_rows = 8
 """
 
 
