@@ -12,7 +12,7 @@ import pytest
 from fulcrum.backends import create_backend
 from fulcrum.backends.onnx import OnnxBackend
 from fulcrum.config import TensorSpec, load_model_config
-from fulcrum.errors import InvalidInput
+from fulcrum.errors import ConfigError, InvalidInput
 from fulcrum.examples import build_examples, minilm_source_dir
 
 SENTENCES = [
@@ -127,6 +127,10 @@ def test_token_ids_sent_directly_are_cast_from_int32(
         tokenizer=None,
         inputs=tuple(TensorSpec(name=n, datatype="INT64", shape=(-1,)) for n in names),
     )
+    with pytest.raises(ConfigError, match="length_bucket_rows"):  # buckets need the tokenizer
+        OnnxBackend(config, example_repo / "minilm" / "1")
+    params = {k: v for k, v in config.parameters.items() if k != "length_bucket_rows"}
+    config = msgspec.structs.replace(config, parameters=params)
     raw = OnnxBackend(config, example_repo / "minilm" / "1")
     assert backend.front is not None
     tokens = backend.front.encode(texts(SENTENCES[:2]))
