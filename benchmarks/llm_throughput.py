@@ -178,7 +178,12 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--rate", type=float, default=200.0, help="Poisson arrivals per second")
     parser.add_argument("--batch-sizes", default="8,32", help="static batch sizes, comma-separated")
+    # The token budget is the engine's latency/throughput dial. 512 fits this workload: it takes
+    # one or two whole prompts (16-256 tokens) beside up to 64 decodes per step; a sweep of
+    # 256-2048 and 64/128 sequences moved output tokens/s by less than the run-to-run noise
+    # (benchmarks/RESULTS.md).
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument(
         "--shared-rate",
         type=float,
@@ -202,7 +207,9 @@ def main() -> None:
     hf: Any = transformers.AutoModelForCausalLM.from_pretrained(version_dir)
     hf.eval()
     params = EngineParams(
-        max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_mb=64
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_mb=64,
     )
 
     def fresh(prefix_caching: bool = True) -> LLMEngine:
@@ -256,7 +263,9 @@ def render(args: argparse.Namespace, results: list[Result], shared: list[Result]
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}, CPU. Model: tiny-llama (2 layers, hidden 64, float32).",
         f"Workload: {args.num_requests} requests, Poisson {args.rate}/s, prompt 16-256, output "
-        f"8-128 tokens, greedy; engine max_num_batched_tokens={args.max_num_batched_tokens}.\n",
+        f"8-128 tokens, greedy; engine max_num_batched_tokens={args.max_num_batched_tokens}, "
+        f"max_num_seqs={args.max_num_seqs}; static batches: left-padded prompts, "
+        "max_new_tokens = the batch's longest output.\n",
         *_table(results),
         "",
         f"Engine / best static batching ({static.name}): "

@@ -144,6 +144,8 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         start = self._num_committed.get(seq.seq_id, 0)
+        if num_full <= start:
+            return  # no block became full: the common decode step (called per sequence per step)
         self._extend_hashes(seq, num_full)
         for i in range(start, num_full):
             block = self._blocks[seq.block_table[i]]

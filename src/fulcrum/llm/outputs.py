@@ -84,7 +84,8 @@ class RequestState:
     def output(self, finish_reason: str | None) -> RequestOutput:
         """The increment since the last output."""
         seq = self.seq
-        new_ids = seq.output_token_ids[self.num_sent_tokens :]
+        # Slice token_ids directly: output_token_ids copies the whole output every step.
+        new_ids = seq.token_ids[seq.num_prompt_tokens + self.num_sent_tokens :]
         self.num_sent_tokens = seq.num_output_tokens
         return RequestOutput(
             request_id=self.request_id,

@@ -63,11 +63,15 @@ class ModelRunner:
         """One forward step; a token id for each sequence that samples, None for the others."""
         if batch.is_empty:
             return []
+        order = _step_order(batch)
+        seqs = [batch.seqs[i] for i in order]
+        query_lens = [batch.num_new_tokens[i] for i in order]
         input_ids: list[int] = []
         positions: list[int] = []
         context_lens: list[int] = []
         sample_rows: list[int] = []  # index into the flat tokens of each sampling seq's last one
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        sampling: list[int] = []  # indices into batch.seqs of the sampling sequences
+        for index, seq, num_new in zip(order, seqs, query_lens, strict=True):
             start = seq.num_computed_tokens
             end = start + num_new
             input_ids.extend(seq.token_ids[start:end])
@@ -75,30 +79,50 @@ class ModelRunner:
             context_lens.append(end)
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
+                sampling.append(index)
         meta = build_metadata(
-            list(batch.num_new_tokens),
+            query_lens,
             context_lens,
-            [list(seq.block_table) for seq in batch.seqs],
+            [seq.block_table for seq in seqs],
             self.block_size,
             self.device,
+            split_chunks=True,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, meta, self.kv_caches)  # (T, C)
-        sampling = [s for s, n in zip(batch.seqs, context_lens, strict=True) if n == s.num_tokens]
+        sampled: list[int | None] = [None] * len(batch.seqs)
         if not sampling:
-            return [None] * len(batch.seqs)
-        logits = self.model.compute_logits(hidden[sample_rows])  # (S, V)
-        tokens = iter(
-            self.sampler.sample(
-                logits, [s.sampling for s in sampling], [s.seq_id for s in sampling]
-            )
+            return sampled
+        # Sample in batch order, so unseeded requests draw from the shared generator as before.
+        pairs = sorted(zip(sampling, sample_rows, strict=True))
+        logits = self.model.compute_logits(hidden[[row for _, row in pairs]])  # (S, V)
+        tokens = self.sampler.sample(
+            logits,
+            [batch.seqs[i].sampling for i, _ in pairs],
+            [batch.seqs[i].seq_id for i, _ in pairs],
         )
-        return [
-            next(tokens) if n == seq.num_tokens else None
-            for seq, n in zip(batch.seqs, context_lens, strict=True)
-        ]
+        for (index, _), token in zip(pairs, tokens, strict=True):
+            sampled[index] = token
+        return sampled
 
     def release(self, seq_id: int) -> None:
         """Drop per-request sampler state of a finished or aborted sequence."""
         self.sampler.release(seq_id)
+
+
+def _step_order(batch: ScheduledBatch) -> list[int]:
+    """Step row order: decodes (longest context first), then fresh, then continued chunks."""
+    # Attention groups sequences the same way (`build_metadata(split_chunks=True)`), so in this
+    # order every group's tokens are one contiguous range of rows (sliced, not gathered). Each
+    # token's result depends only on its own sequence's tokens, wherever its row sits.
+    decodes: list[int] = []
+    fresh: list[int] = []
+    continued: list[int] = []
+    for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        if num_new == 1:
+            decodes.append(i)
+        else:
+            (continued if seq.num_computed_tokens else fresh).append(i)
+    decodes.sort(key=lambda i: -batch.seqs[i].num_computed_tokens)
+    return decodes + fresh + continued

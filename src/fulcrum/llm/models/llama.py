@@ -15,6 +15,8 @@ from torch.nn import functional as F
 from fulcrum.errors import ConfigError
 from fulcrum.llm.models.attention import AttentionMetadata, paged_attention
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, D) each
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -88,17 +90,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x (T, H, D) rotated by each token's position."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]  # (T, 1, D)
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos and sin (T, 1, D) of each token's position; looked up once per step."""
+        cos = self.cos[positions].to(dtype)[:, None, :]
+        sin = self.sin[positions].to(dtype)[:, None, :]
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """x (T, H, D) rotated by each token's position."""
+    cos, sin = tables
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -108,12 +116,11 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.rope = [rope]  # a list, so the shared table is not registered once per layer
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: RopeTables,
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -121,8 +128,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        rope = self.rope[0]
-        q, k = rope(positions, q), rope(positions, k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.head_dim**-0.5)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, -1))  # type: ignore[no-any-return]
 
@@ -139,21 +145,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rope)
+        self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: RopeTables,
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
 
 
@@ -162,9 +168,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary_emb) for _ in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -194,8 +198,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, C)
+        rope = self.model.rotary_emb.tables(positions, x.dtype)  # shared by every layer
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.model.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

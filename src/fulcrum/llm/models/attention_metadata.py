@@ -1,0 +1,188 @@
+"""Per-step paged-attention layout: cache slots of the new tokens, and the SDPA groups (decodes
+bucketed by context length, prefill chunks) with their block tables and masks. Built once per step
+from plain lists, shared by every layer."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+# Per-layer cost of one more SDPA group (its gather and SDPA calls, mask, output copy) measured
+# on CPU as about the cost of gathering and attending this many padded (sequence, block) rows.
+# A decode bucket is split off only when it saves more padding than this.
+GROUP_COST_BLOCK_ROWS = 48
+MAX_DECODE_GROUPS = 4
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended in one SDPA call, padded to the group's longest query chunk."""
+
+    token_rows: torch.Tensor  # (Tg,) rows of this group's tokens in the flat step
+    # (start, end) when token_rows is that contiguous range: a slice instead of a gather.
+    row_range: tuple[int, int] | None
+    # (Tg,) row of each token in the padded (Bg * max_q) view; None when nothing is padded
+    # (every member has max_q queries), so queries and outputs need no scatter or gather.
+    token_index: torch.Tensor | None
+    block_tables: torch.Tensor  # (Bg, max_blocks) int64, padded with block 0
+    # (Bg, 1, max_q, max_blocks * block_size) bool: True = may attend. None for a causal group:
+    # chunks that start at position 0, so SDPA's own causal mask is exact (and skips the upper
+    # triangle instead of computing and masking it); padding query rows are dropped anyway.
+    mask: torch.Tensor | None
+    attn_bias: torch.Tensor | None  # the mask as SDPA's additive float mask (0 / -inf), built once
+    num_seqs: int
+    max_query_len: int
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout shared by every layer; built once by the runner."""
+
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot of each new token
+    # Decodes (one query each) and prefill chunks are separate groups, so a long prefill chunk
+    # does not pad every decode's query to its length; decodes of very different context lengths
+    # are split into buckets, so a short one does not gather a long one's worth of padding.
+    groups: list[AttentionGroup]
+    # True when the groups' row ranges tile the step in order: outputs concatenate.
+    groups_in_order: bool
+
+
+def build_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    *,
+    split_chunks: bool = False,
+) -> AttentionMetadata:
+    """Slot mapping, padded block tables and attention masks for one step."""
+    # split_chunks: chunks that start at position 0 form their own group, attended with SDPA's
+    # causal mask; the others (continued prompts, prefix-cache hits) keep the explicit mask.
+    # Off by default: one padded group for all chunks, as callers that lay out rows expect.
+    row_starts = [0, *itertools.accumulate(query_lens)]
+    slots: list[int] = []
+    for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
+        if q_len == 1:  # most tokens of a step are decodes: skip the per-block loop
+            pos = ctx_len - 1
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        else:
+            _extend_slots(slots, table, ctx_len - q_len, ctx_len, block_size)
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    chunks = [i for i, n in enumerate(query_lens) if n > 1]
+    members = _decode_buckets(decodes, context_lens, block_size)
+    if chunks:
+        fresh = [i for i in chunks if query_lens[i] == context_lens[i]] if split_chunks else []
+        rest = [i for i in chunks if i not in fresh]
+        members += [m for m in (fresh, rest) if m]
+    groups = [
+        _group(m, query_lens, context_lens, block_tables, row_starts, block_size, device)
+        for m in members
+    ]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        groups=groups,
+        groups_in_order=_tile_in_order(groups),
+    )
+
+
+def _tile_in_order(groups: list[AttentionGroup]) -> bool:
+    end = 0
+    for group in groups:
+        if group.row_range is None or group.row_range[0] != end:
+            return False
+        end = group.row_range[1]
+    return True
+
+
+def _extend_slots(
+    slots: list[int], table: list[int], first_pos: int, end_pos: int, block_size: int
+) -> None:
+    """Append the cache slots of positions first_pos..end_pos-1, one range per block."""
+    for j in range(first_pos // block_size, (end_pos - 1) // block_size + 1):
+        base = table[j] * block_size - j * block_size
+        lo, hi = max(first_pos, j * block_size), min(end_pos, (j + 1) * block_size)
+        slots.extend(range(base + lo, base + hi))
+
+
+def _decode_buckets(
+    decodes: list[int], context_lens: list[int], block_size: int
+) -> list[list[int]]:
+    """Decodes split into buckets of similar length (longest first) when padding costs more."""
+    if not decodes:
+        return []
+    by_len = sorted(decodes, key=lambda i: -context_lens[i])  # stable: ties keep batch order
+    num_blocks = [-(-context_lens[i] // block_size) for i in by_len]
+    starts = [0]
+    while len(starts) < MAX_DECODE_GROUPS:
+        start = starts[-1]
+        # Splitting at j saves (head blocks - blocks at j) padded rows for each sequence from j.
+        best_saving, best_j = 0, 0
+        for j in range(start + 1, len(by_len)):
+            saving = (num_blocks[start] - num_blocks[j]) * (len(by_len) - j)
+            if saving > best_saving:
+                best_saving, best_j = saving, j
+        if best_saving <= GROUP_COST_BLOCK_ROWS:
+            break
+        starts.append(best_j)
+    ends = [*starts[1:], len(by_len)]
+    return [by_len[s:e] for s, e in zip(starts, ends, strict=True)]
+
+
+def _group(
+    members: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    row_starts: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    g_q = [query_lens[i] for i in members]
+    g_ctx = [context_lens[i] for i in members]
+    max_q = max(g_q)
+    num_blocks = -(-max(g_ctx) // block_size)
+    rows = [r for i in members for r in range(row_starts[i], row_starts[i] + query_lens[i])]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    padded = any(n != max_q for n in g_q)
+    token_index = None
+    if padded:
+        token_index = torch.tensor(
+            [slot * max_q + j for slot, n in enumerate(g_q) for j in range(n)], device=device
+        )
+    tables = [block_tables[i][:num_blocks] for i in members]
+    table_tensor = torch.tensor([t + [0] * (num_blocks - len(t)) for t in tables])
+    mask = bias = None
+    if max_q == 1 or g_q != g_ctx:
+        mask = _mask(g_q, g_ctx, max_q, num_blocks * block_size).to(device)
+        bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+    return AttentionGroup(
+        token_rows=(
+            torch.arange(rows[0], rows[0] + len(rows), device=device)
+            if contiguous
+            else torch.tensor(rows, dtype=torch.int64, device=device)
+        ),
+        row_range=(rows[0], rows[0] + len(rows)) if contiguous else None,
+        token_index=token_index,
+        block_tables=table_tensor.to(device),
+        mask=mask,
+        attn_bias=bias,
+        num_seqs=len(members),
+        max_query_len=max_q,
+    )
+
+
+def _mask(g_q: list[int], g_ctx: list[int], max_q: int, num_keys: int) -> torch.Tensor:
+    """(Bg, 1, max_q, K) bool: query j of a chunk sees keys up to its position."""
+    q_len, ctx_len = torch.tensor(g_q), torch.tensor(g_ctx)
+    key_pos = torch.arange(num_keys)  # (K,)
+    if max_q == 1:
+        return (key_pos[None, :] < ctx_len[:, None])[:, None, None, :]  # (Bg, 1, 1, K)
+    # Query j of a sequence sits at absolute position ctx_len - q_len + j and sees keys <= it.
+    query_pos = (ctx_len - q_len)[:, None] + torch.arange(max_q)[None, :]  # (Bg, max_q)
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (Bg, max_q, K)
+    # Padding query rows would attend nothing and give NaN; let them see key 0 (output dropped).
+    mask[:, :, 0] = True
+    return mask[:, None]
