@@ -210,6 +210,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_mb=64,
+        max_num_waiting=max(256, args.num_requests),  # the benchmark offers all its requests
     )
 
     def fresh(prefix_caching: bool = True) -> LLMEngine:
