@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/python -m fulcrum.demo --repository $(MODELS) --port $(PORT)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
