@@ -157,6 +157,32 @@ def test_bfloat16_queries_get_a_bias_of_their_dtype() -> None:
     assert bool(torch.isfinite(out.float()).all())
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (3, 3), (4, 1)])
+def test_decode_equals_dense_attention_for_any_head_grouping(
+    num_heads: int, num_kv_heads: int
+) -> None:
+    # Grouped KV heads take the folded decode path (query heads as rows), equal heads the plain.
+    gen = torch.Generator().manual_seed(1)
+    lengths, tables = [7, 2, 5], [[3, 0], [1], [4, 2]]
+    k_cache = torch.randn(5, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(5, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    q = torch.randn(3, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(3, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(3, num_kv_heads, HEAD_DIM, generator=gen)
+    meta = build_metadata([1, 1, 1], lengths, tables, BLOCK_SIZE, CPU)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
+        keys = k_cache[table].flatten(0, 1)[:n].transpose(0, 1)  # (Hkv, n, D), new token in
+        values = v_cache[table].flatten(0, 1)[:n].transpose(0, 1)
+        group = num_heads // num_kv_heads
+        want = F.scaled_dot_product_attention(
+            q[i][:, None],
+            keys.repeat_interleave(group, 0),
+            values.repeat_interleave(group, 0),
+        )[:, 0]
+        torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> LoadedLLM:
     directory: Path = tmp_path_factory.mktemp("models")

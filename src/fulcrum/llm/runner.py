@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from fulcrum.errors import ConfigError
@@ -88,8 +89,9 @@ class ModelRunner:
             self.device,
             split_chunks=True,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        # Via numpy: torch.tensor converts a Python list element by element, about 4x slower.
+        ids = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device)
+        pos = torch.from_numpy(np.array(positions, dtype=np.int64)).to(self.device)
         hidden = self.model(ids, pos, meta, self.kv_caches)  # (T, C)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not sampling:
