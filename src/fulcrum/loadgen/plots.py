@@ -35,15 +35,8 @@ def plot_curve(runs: Sequence[BenchRun], path: Path) -> Path:
             ax.plot(
                 throughput, latency, style, marker="o", color=color, label=f"{run.label} {name}"
             )
-    ax.set_xlabel("throughput (requests/s)")
-    ax.set_ylabel("latency (ms)")
-    ax.set_title("latency vs throughput")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, "latency vs throughput", "throughput (requests/s)",
+                 "latency (ms)")  # fmt: skip
 
 
 def plot_cdf(runs: Sequence[BenchRun], path: Path) -> Path:
@@ -60,9 +53,15 @@ def plot_cdf(runs: Sequence[BenchRun], path: Path) -> Path:
             label = f"{run.label} {point.label}" if len(runs) > 1 else point.label
             ax.plot(point.cdf_ms, fraction, style, color=f"C{number % 10}", label=label)
     ax.set_xscale("log")
-    ax.set_xlabel("latency (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("latency CDF per point")
+    return _save(plt, fig, ax, path, "latency CDF per point", "latency (ms)",
+                 "fraction of requests")  # fmt: skip
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
+    """Label, grid and legend the axes, write the PNG and free the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
