@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from fulcrum.llm.examples import build_tiny_llama
 from fulcrum.llm.loader import LoadedLLM, load_checkpoint
-from fulcrum.llm.models.attention import build_metadata, paged_attention
+from fulcrum.llm.models.attention import build_metadata, kv_cache_shape, paged_attention
 from fulcrum.llm.runner import ModelRunner
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.scheduler import ScheduledBatch
@@ -34,7 +34,7 @@ class _Seqs:
         ids = list(range(sum(num_blocks)))
         random.Random(seed).shuffle(ids)
         self.tables = [[ids.pop() for _ in range(n)] for n in num_blocks]
-        shape = (sum(num_blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        shape = kv_cache_shape(sum(num_blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
 
     def step(
@@ -164,16 +164,16 @@ def test_decode_equals_dense_attention_for_any_head_grouping(
     # Grouped KV heads take the folded decode path (query heads as rows), equal heads the plain.
     gen = torch.Generator().manual_seed(1)
     lengths, tables = [7, 2, 5], [[3, 0], [1], [4, 2]]
-    k_cache = torch.randn(5, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(5, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    k_cache = torch.randn(kv_cache_shape(5, BLOCK_SIZE, num_kv_heads, HEAD_DIM), generator=gen)
+    v_cache = torch.randn(kv_cache_shape(5, BLOCK_SIZE, num_kv_heads, HEAD_DIM), generator=gen)
     q = torch.randn(3, num_heads, HEAD_DIM, generator=gen)
     k = torch.randn(3, num_kv_heads, HEAD_DIM, generator=gen)
     v = torch.randn(3, num_kv_heads, HEAD_DIM, generator=gen)
     meta = build_metadata([1, 1, 1], lengths, tables, BLOCK_SIZE, CPU)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, HEAD_DIM**-0.5)
     for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
-        keys = k_cache[table].flatten(0, 1)[:n].transpose(0, 1)  # (Hkv, n, D), new token in
-        values = v_cache[table].flatten(0, 1)[:n].transpose(0, 1)
+        keys = k_cache[:, table].flatten(1, 2)[:, :n]  # (Hkv, n, D), new token in
+        values = v_cache[:, table].flatten(1, 2)[:, :n]
         group = num_heads // num_kv_heads
         want = F.scaled_dot_product_attention(
             q[i][:, None],

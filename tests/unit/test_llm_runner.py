@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from fulcrum.errors import ConfigError
 from fulcrum.llm.examples import build_tiny_llama
 from fulcrum.llm.loader import LoadedLLM, load_checkpoint
-from fulcrum.llm.models.attention import build_metadata, paged_attention
+from fulcrum.llm.models.attention import build_metadata, kv_cache_shape, paged_attention
 from fulcrum.llm.runner import ModelRunner, kv_block_bytes, num_blocks_for_budget
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.scheduler import ScheduledBatch
@@ -54,7 +54,7 @@ def test_paged_attention_equals_dense_causal_attention(num_heads: int, num_kv_he
     lengths = [8, 6]  # seq 0: a chunk of 7, then one decode step; seq 1: two chunks
     chunks = [[7, 1], [2, 4]]
     tables = [[9, 3, 5], [1, 6]]  # scattered, non-contiguous blocks
-    k_cache = torch.zeros(10, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(kv_cache_shape(10, block_size, num_kv_heads, head_dim))
     v_cache = torch.zeros_like(k_cache)
     q = [torch.randn(n, num_heads, head_dim) for n in lengths]
     k = [torch.randn(n, num_kv_heads, head_dim) for n in lengths]

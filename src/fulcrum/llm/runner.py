@@ -10,7 +10,7 @@ import torch
 
 from fulcrum.errors import ConfigError
 from fulcrum.llm.models import CausalLM
-from fulcrum.llm.models.attention import build_metadata
+from fulcrum.llm.models.attention import build_metadata, kv_cache_shape
 from fulcrum.llm.sampler import Sampler
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.device = device
-        shape = (num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
+        shape = kv_cache_shape(num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),

@@ -8,6 +8,10 @@ causal within its chunk and full over the earlier context. Decodes of a grouped-
 the query heads sharing a KV head into that head's query rows, (B, Hkv, H / Hkv, D): one SDPA row
 block per KV head instead of a one-row block per query head (about 25% faster on CPU, same greedy
 tokens). The layout is built once per step (`attention_metadata.build_metadata`).
+
+A layer's pool is head-major, (Hkv, num_blocks, block_size, D) (`kv_cache_shape`): gathering a
+sequence's blocks then gives each KV head's keys as one contiguous (K, D) slab, which SDPA reads
+faster than keys interleaved across heads (about 10% off a decode step's attention on CPU).
 """
 
 from __future__ import annotations
@@ -21,7 +25,20 @@ from fulcrum.llm.models.attention_metadata import (
     build_metadata,
 )
 
-__all__ = ["AttentionGroup", "AttentionMetadata", "build_metadata", "paged_attention"]
+__all__ = [
+    "AttentionGroup",
+    "AttentionMetadata",
+    "build_metadata",
+    "kv_cache_shape",
+    "paged_attention",
+]
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (or V) block pool: head-major, (Hkv, num_blocks, block_size, D)."""
+    return (num_kv_heads, num_blocks, block_size, head_dim)
 
 
 def paged_attention(
@@ -33,10 +50,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q (T, H, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, H, D)."""
+    """q (T, H, D), k/v (T, Hkv, D), caches (Hkv, num_blocks, block_size, D) -> (T, H, D)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+    k_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = k.transpose(0, 1)
+    v_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = v.transpose(0, 1)
     if meta.groups_in_order:
         outs = [
             _attend(q[g.row_range[0] : g.row_range[1]], k_cache, v_cache, g, scale)
@@ -65,11 +82,11 @@ def _attend(
         q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
         q_pad[group.token_index] = q
     q_pad = q_pad.view(b, max_q, num_heads, head_dim).transpose(1, 2)  # (Bg, H, max_q, D)
-    # (Bg * max_blocks, block_size, Hkv, D) -> (Bg, Hkv, K, D)
+    # (Hkv, Bg * max_blocks, block_size, D) -> (Bg, Hkv, K, D), each (K, D) slab contiguous
     blocks = group.block_tables.flatten()
-    num_kv_heads = k_cache.shape[2]
-    keys = k_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+    num_kv_heads = k_cache.shape[0]
+    keys = k_cache.index_select(1, blocks).view(num_kv_heads, b, -1, head_dim).transpose(0, 1)
+    values = v_cache.index_select(1, blocks).view(num_kv_heads, b, -1, head_dim).transpose(0, 1)
     bias = group.attn_bias
     if bias is not None and bias.dtype != q.dtype:
         bias = bias.to(q.dtype)  # SDPA takes a float mask only in the query's dtype
