@@ -91,6 +91,29 @@ def test_decodes_of_very_different_lengths_are_bucketed() -> None:
     assert [g.row_range for g in meta.groups] == [(0, 16), (16, 32)]
 
 
+def test_fresh_chunks_of_very_different_lengths_are_bucketed() -> None:
+    # One 200-token prompt and 16 of 8: one padded group would attend 17 x 200 x 200 positions.
+    q_lens = [200] + [8] * 16
+    first = -(-200 // BLOCK_SIZE)
+    tables = [list(range(first))] + [[first + 2 * i, first + 2 * i + 1] for i in range(16)]
+    meta = build_metadata(q_lens, q_lens, tables, BLOCK_SIZE, CPU, split_chunks=True)
+    assert [g.num_seqs for g in meta.groups] == [1, 16]
+    assert [g.max_query_len for g in meta.groups] == [200, 8]
+    assert all(g.mask is None for g in meta.groups)  # both causal: SDPA's own mask
+    assert meta.groups_in_order
+
+
+def test_fresh_chunks_in_buckets_equal_dense_attention() -> None:
+    lengths = [150, 9, 130, 12, 7, 140, 10, 8]
+    by_len = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    seqs = _Seqs(lengths)
+    n = len(lengths)
+    got, num_groups = seqs.step(by_len, [0] * n, lengths, split_chunks=True)
+    assert num_groups > 1
+    for i in range(n):
+        torch.testing.assert_close(got[i], seqs.dense(i), rtol=1e-5, atol=1e-5)
+
+
 def test_similar_decodes_share_one_group() -> None:
     meta = build_metadata([1] * 8, [30, 31, 29, 32, 30, 28, 31, 32], [list(range(8))] * 8, 4, CPU)
     assert [g.num_seqs for g in meta.groups] == [8]

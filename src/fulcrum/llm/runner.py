@@ -114,7 +114,8 @@ class ModelRunner:
 
 
 def _step_order(batch: ScheduledBatch) -> list[int]:
-    """Step row order: decodes (longest context first), then fresh, then continued chunks."""
+    """Step row order: decodes (longest context first), fresh chunks (longest first), then
+    continued chunks."""
     # Attention groups sequences the same way (`build_metadata(split_chunks=True)`), so in this
     # order every group's tokens are one contiguous range of rows (sliced, not gathered). Each
     # token's result depends only on its own sequence's tokens, wherever its row sits.
@@ -127,4 +128,5 @@ def _step_order(batch: ScheduledBatch) -> list[int]:
         else:
             (continued if seq.num_computed_tokens else fresh).append(i)
     decodes.sort(key=lambda i: -batch.seqs[i].num_computed_tokens)
+    fresh.sort(key=lambda i: -batch.num_new_tokens[i])
     return decodes + fresh + continued

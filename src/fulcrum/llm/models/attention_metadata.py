@@ -14,7 +14,10 @@ import torch
 # on CPU as about the cost of gathering and attending this many padded (sequence, block) rows.
 # A decode bucket is split off only when it saves more padding than this.
 GROUP_COST_BLOCK_ROWS = 48
-MAX_DECODE_GROUPS = 4
+# The same for chunks that start a prompt, whose padded work grows with max_query_len ** 2: one
+# more group costs about as much as attending a padded 128-token chunk.
+GROUP_COST_SQUARED_QUERIES = 128**2
+MAX_GROUPS = 4  # per kind (decodes, fresh chunks)
 
 
 @dataclass
@@ -60,8 +63,9 @@ def build_metadata(
     split_chunks: bool = False,
 ) -> AttentionMetadata:
     """Slot mapping, padded block tables and attention masks for one step."""
-    # split_chunks: chunks that start at position 0 form their own group, attended with SDPA's
-    # causal mask; the others (continued prompts, prefix-cache hits) keep the explicit mask.
+    # split_chunks: chunks that start at position 0 form their own groups (bucketed by length),
+    # attended with SDPA's causal mask; the others (continued prompts, prefix-cache hits) keep
+    # the explicit mask.
     # Off by default: one padded group for all chunks, as callers that lay out rows expect.
     row_starts = [0, *itertools.accumulate(query_lens)]
     slots: list[int] = []
@@ -73,11 +77,12 @@ def build_metadata(
             _extend_slots(slots, table, ctx_len - q_len, ctx_len, block_size)
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     chunks = [i for i, n in enumerate(query_lens) if n > 1]
-    members = _decode_buckets(decodes, context_lens, block_size)
+    members = _buckets(decodes, [-(-n // block_size) for n in context_lens], GROUP_COST_BLOCK_ROWS)
     if chunks:
         fresh = [i for i in chunks if query_lens[i] == context_lens[i]] if split_chunks else []
         rest = [i for i in chunks if i not in fresh]
-        members += [m for m in (fresh, rest) if m]
+        members += _buckets(fresh, [n * n for n in query_lens], GROUP_COST_SQUARED_QUERIES)
+        members += [rest] if rest else []
     groups = [
         _group(m, query_lens, context_lens, block_tables, row_starts, block_size, device)
         for m in members
@@ -108,28 +113,27 @@ def _extend_slots(
         slots.extend(range(base + lo, base + hi))
 
 
-def _decode_buckets(
-    decodes: list[int], context_lens: list[int], block_size: int
-) -> list[list[int]]:
-    """Decodes split into buckets of similar length (longest first) when padding costs more."""
-    if not decodes:
+def _buckets(members: list[int], sizes: list[int], group_cost: int) -> list[list[int]]:
+    """Members split into buckets of similar padded size (largest first) when padding the
+    smaller ones to the largest costs more than another group; sizes[i] is member i's work."""
+    if not members:
         return []
-    by_len = sorted(decodes, key=lambda i: -context_lens[i])  # stable: ties keep batch order
-    num_blocks = [-(-context_lens[i] // block_size) for i in by_len]
+    by_size = sorted(members, key=lambda i: -sizes[i])  # stable: ties keep batch order
+    ordered = [sizes[i] for i in by_size]
     starts = [0]
-    while len(starts) < MAX_DECODE_GROUPS:
+    while len(starts) < MAX_GROUPS:
         start = starts[-1]
-        # Splitting at j saves (head blocks - blocks at j) padded rows for each sequence from j.
+        # Splitting at j saves (head size - size at j) padded work for each member from j.
         best_saving, best_j = 0, 0
-        for j in range(start + 1, len(by_len)):
-            saving = (num_blocks[start] - num_blocks[j]) * (len(by_len) - j)
+        for j in range(start + 1, len(by_size)):
+            saving = (ordered[start] - ordered[j]) * (len(by_size) - j)
             if saving > best_saving:
                 best_saving, best_j = saving, j
-        if best_saving <= GROUP_COST_BLOCK_ROWS:
+        if best_saving <= group_cost:
             break
         starts.append(best_j)
-    ends = [*starts[1:], len(by_len)]
-    return [by_len[s:e] for s, e in zip(starts, ends, strict=True)]
+    ends = [*starts[1:], len(by_size)]
+    return [by_size[s:e] for s, e in zip(starts, ends, strict=True)]
 
 
 def _group(
