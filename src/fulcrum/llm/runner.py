@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fulcrum.errors import ConfigError
-from fulcrum.llm.models import CausalLM
+from fulcrum.llm.models import CausalLM, decode_kernel
 from fulcrum.llm.models.attention import build_metadata, kv_cache_shape
 from fulcrum.llm.sampler import Sampler
 
@@ -58,6 +58,10 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.sampler = Sampler(device)
+        # Decodes read the KV pool in place on the CPU (float32); elsewhere gather + SDPA.
+        self.in_place_decode = decode_kernel.supported(self.kv_caches[0][0])
+        if self.in_place_decode:
+            decode_kernel.warm_up()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -88,6 +92,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             split_chunks=True,
+            in_place_decode=self.in_place_decode,
         )
         # Via numpy: torch.tensor converts a Python list element by element, about 4x slower.
         ids = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device)

@@ -24,6 +24,7 @@ from fulcrum.llm.models.attention_metadata import (
     AttentionMetadata,
     build_metadata,
 )
+from fulcrum.llm.models.decode_kernel import paged_decode
 
 __all__ = [
     "AttentionGroup",
@@ -52,8 +53,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q (T, H, D), k/v (T, Hkv, D), caches (Hkv, num_blocks, block_size, D) -> (T, H, D)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = k.transpose(0, 1)
-    v_cache.view(num_kv_heads, -1, head_dim)[:, meta.slot_mapping] = v.transpose(0, 1)
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     if meta.groups_in_order:
         outs = [
             _attend(q[g.row_range[0] : g.row_range[1]], k_cache, v_cache, g, scale)
@@ -76,6 +77,11 @@ def _attend(
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     b, max_q = group.num_seqs, group.max_query_len
+    num_kv_heads = k_cache.shape[0]
+    if group.context_lens is not None:  # decodes read in place: (Bg, Hkv, H / Hkv, D) queries
+        q_fold = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = paged_decode(q_fold, k_cache, v_cache, group.block_tables, group.context_lens, scale)
+        return out.view(b, num_heads, head_dim)
     if group.token_index is None:
         q_pad = q  # every member has max_q queries: already the padded layout
     else:
@@ -84,7 +90,6 @@ def _attend(
     q_pad = q_pad.view(b, max_q, num_heads, head_dim).transpose(1, 2)  # (Bg, H, max_q, D)
     # (Hkv, Bg * max_blocks, block_size, D) -> (Bg, Hkv, K, D), each (K, D) slab contiguous
     blocks = group.block_tables.flatten()
-    num_kv_heads = k_cache.shape[0]
     keys = k_cache.index_select(1, blocks).view(num_kv_heads, b, -1, head_dim).transpose(0, 1)
     values = v_cache.index_select(1, blocks).view(num_kv_heads, b, -1, head_dim).transpose(0, 1)
     bias = group.attn_bias

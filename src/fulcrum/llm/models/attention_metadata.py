@@ -38,6 +38,9 @@ class AttentionGroup:
     attn_bias: torch.Tensor | None  # the mask as SDPA's additive float mask (0 / -inf), built once
     num_seqs: int
     max_query_len: int
+    # (Bg,) int64 context lengths of a decode group attended in place (`decode_kernel`): no
+    # gather, no mask, no padding. None for the gather-and-SDPA path.
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -61,8 +64,11 @@ def build_metadata(
     device: torch.device,
     *,
     split_chunks: bool = False,
+    in_place_decode: bool = False,
 ) -> AttentionMetadata:
     """Slot mapping, padded block tables and attention masks for one step."""
+    # in_place_decode: all decodes form one group for `decode_kernel.paged_decode`, which reads
+    # each sequence's own blocks in place (so no buckets, masks or padding are needed).
     # split_chunks: chunks that start at position 0 form their own groups (bucketed by length),
     # attended with SDPA's causal mask; the others (continued prompts, prefix-cache hits) keep
     # the explicit mask.
@@ -77,14 +83,27 @@ def build_metadata(
             _extend_slots(slots, table, ctx_len - q_len, ctx_len, block_size)
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     chunks = [i for i, n in enumerate(query_lens) if n > 1]
-    members = _buckets(decodes, [-(-n // block_size) for n in context_lens], GROUP_COST_BLOCK_ROWS)
+    members = (
+        [decodes]
+        if in_place_decode and decodes
+        else _buckets(decodes, [-(-n // block_size) for n in context_lens], GROUP_COST_BLOCK_ROWS)
+    )
     if chunks:
         fresh = [i for i in chunks if query_lens[i] == context_lens[i]] if split_chunks else []
         rest = [i for i in chunks if i not in fresh]
         members += _buckets(fresh, [n * n for n in query_lens], GROUP_COST_SQUARED_QUERIES)
         members += [rest] if rest else []
     groups = [
-        _group(m, query_lens, context_lens, block_tables, row_starts, block_size, device)
+        _group(
+            m,
+            query_lens,
+            context_lens,
+            block_tables,
+            row_starts,
+            block_size,
+            device,
+            in_place=in_place_decode and query_lens[m[0]] == 1,
+        )
         for m in members
     ]
     return AttentionMetadata(
@@ -144,6 +163,8 @@ def _group(
     row_starts: list[int],
     block_size: int,
     device: torch.device,
+    *,
+    in_place: bool = False,
 ) -> AttentionGroup:
     g_q = [query_lens[i] for i in members]
     g_ctx = [context_lens[i] for i in members]
@@ -162,7 +183,7 @@ def _group(
     padding = [0] * num_blocks
     table_tensor = _int_tensor([(block_tables[i] + padding)[:num_blocks] for i in members], device)
     mask = bias = None
-    if max_q == 1 or g_q != g_ctx:
+    if (max_q == 1 and not in_place) or (max_q > 1 and g_q != g_ctx):
         mask = _mask(g_q, g_ctx, max_q, num_blocks * block_size).to(device)
         bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
     return AttentionGroup(
@@ -181,6 +202,7 @@ def _group(
         attn_bias=bias,
         num_seqs=len(members),
         max_query_len=max_q,
+        context_lens=_int_tensor(g_ctx, device) if in_place else None,
     )
 
 
