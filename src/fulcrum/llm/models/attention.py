@@ -7,7 +7,9 @@ sequence's block table into (B, Hkv, max_blocks * block_size, D), and a mask kee
 causal within its chunk and full over the earlier context. Decodes of a grouped-query model fold
 the query heads sharing a KV head into that head's query rows, (B, Hkv, H / Hkv, D): one SDPA row
 block per KV head instead of a one-row block per query head (about 25% faster on CPU, same greedy
-tokens). The layout is built once per step (`attention_metadata.build_metadata`).
+tokens). On the CPU in float32, decodes skip all of this: one group whose queries read each
+sequence's own blocks in place (`decode_kernel.paged_decode`: no gather, no padding, no mask).
+The layout is built once per step (`attention_metadata.build_metadata`).
 
 A layer's pool is head-major, (Hkv, num_blocks, block_size, D) (`kv_cache_shape`): gathering a
 sequence's blocks then gives each KV head's keys as one contiguous (K, D) slab, which SDPA reads
