@@ -70,3 +70,31 @@ def test_sampling_follows_the_distribution() -> None:
     sampler = Sampler(CPU, seed=0)
     draws = [sampler.sample(logits, [SamplingParams()], [0])[0] for _ in range(2000)]
     assert 0.85 < draws.count(0) / len(draws) < 0.95
+
+
+def test_batched_masks_equal_the_masks_row_by_row() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=gen)
+    top_k = torch.tensor([0, 1, 5, 39, 40, 3])  # 0 and >= V: off
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.01, 0.7, 1.0])  # 1: off
+    by_k, by_p = top_k_mask(logits, top_k), top_p_mask(logits, top_p)
+    for row in range(6):
+        assert torch.equal(by_k[row], top_k_mask(logits[row], int(top_k[row])))
+        assert torch.equal(by_p[row], top_p_mask(logits[row], float(top_p[row])))
+    assert torch.equal(by_k[0], logits[0]) and torch.equal(by_p[5], logits[5])
+
+
+def test_a_mixed_batch_keeps_greedy_rows_and_each_rows_own_masks() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, 1.0, -1.0]] * 4)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=5.0, top_k=2),  # hot, but only tokens 1 and 2 survive
+        SamplingParams(temperature=1.0, top_p=0.01),  # only the top token survives
+        SamplingParams(temperature=1.0, top_k=2, seed=3),
+    ]
+    sampler = Sampler(CPU, seed=0)
+    draws = [sampler.sample(logits, params, [0, 1, 2, 3]) for _ in range(200)]
+    assert {d[0] for d in draws} == {1}
+    assert {d[1] for d in draws} == {1, 2}
+    assert {d[2] for d in draws} == {1}
+    assert {d[3] for d in draws} <= {1, 2}

@@ -11,23 +11,32 @@ if TYPE_CHECKING:
     from fulcrum.llm.sampling_params import SamplingParams
 
 
-def top_k_mask(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """logits (V,) with everything below the k-th largest set to -inf (top_k 0: unchanged)."""
-    if top_k <= 0 or top_k >= logits.shape[-1]:
+def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor | int) -> torch.Tensor:
+    """logits (..., V) with everything below each row's k-th largest set to -inf; top_k per row
+    (a tensor of logits.shape[:-1]) or one int for all, 0 or >= V: that row unchanged."""
+    vocab = logits.shape[-1]
+    k = torch.as_tensor(top_k).expand(logits.shape[:-1])
+    off = (k <= 0) | (k >= vocab)
+    if bool(off.all()):
         return logits
-    kth = torch.topk(logits, top_k).values[-1]
+    largest = torch.topk(logits, int(k[~off].max()), dim=-1).values  # (..., k_max)
+    kth = largest.gather(-1, (k.clamp(min=1) - 1).clamp(max=largest.shape[-1] - 1)[..., None])
+    kth = kth.masked_fill(off[..., None], float("-inf"))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """logits (V,) keeping the smallest set of tokens whose probability reaches top_p."""
-    if top_p >= 1.0:
+def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
+    """logits (..., V) keeping, per row, the smallest set of tokens whose probability reaches
+    top_p (a tensor of logits.shape[:-1], or one float for all; 1: that row unchanged)."""
+    p = torch.as_tensor(top_p, dtype=logits.dtype).expand(logits.shape[:-1])
+    off = p >= 1.0
+    if bool(off.all()):
         return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
     # Drop a token when the tokens before it already reach top_p; the first always stays.
-    drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    drop_sorted = ((probs.cumsum(-1) - probs) >= p[..., None]) & ~off[..., None]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 
@@ -46,20 +55,29 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]
     ) -> list[int]:
-        """logits (B, V) -> one token id per row."""
+        """logits (B, V) -> one token id per row; the random rows are masked and drawn as one
+        batch (a seeded request draws from its own generator)."""
         logits = logits.float()
-        greedy = logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for row, (sampling, seq_id) in enumerate(zip(params, seq_ids, strict=True)):
-            if sampling.temperature == 0.0:
-                out.append(int(greedy[row]))
-                continue
-            scores = top_p_mask(
-                top_k_mask(logits[row] / sampling.temperature, sampling.top_k), sampling.top_p
-            )
-            probs = scores.softmax(-1)
-            token = torch.multinomial(probs, 1, generator=self._generator(seq_id, sampling))
-            out.append(int(token.item()))
+        out: list[int] = logits.argmax(dim=-1).tolist()
+        rows = [i for i, sampling in enumerate(params) if sampling.temperature != 0.0]
+        if not rows:
+            return out
+        chosen = [params[i] for i in rows]
+        device = logits.device
+        temperature = torch.tensor([s.temperature for s in chosen], device=device)
+        scores = logits[rows] / temperature[:, None]
+        scores = top_k_mask(scores, torch.tensor([s.top_k for s in chosen], device=device))
+        scores = top_p_mask(scores, torch.tensor([s.top_p for s in chosen], device=device))
+        probs = scores.softmax(-1)
+        shared = [j for j, s in enumerate(chosen) if s.seed is None]
+        if shared:
+            drawn = torch.multinomial(probs[shared], 1, generator=self._shared)[:, 0].tolist()
+            for j, token in zip(shared, drawn, strict=True):
+                out[rows[j]] = int(token)
+        for j, sampling in enumerate(chosen):
+            if sampling.seed is not None:
+                generator = self._generator(seq_ids[rows[j]], sampling)
+                out[rows[j]] = int(torch.multinomial(probs[j], 1, generator=generator).item())
         return out
 
     def release(self, seq_id: int) -> None:
