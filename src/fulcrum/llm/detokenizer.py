@@ -1,30 +1,24 @@
 """Incremental detokenisation and stop strings: text grows token by token, a multi-byte character
-split across tokens is held until complete, and text that could still be the start of a stop
-string is held back from the stream until it is known not to be one."""
+split across tokens is held until complete (`tokenizers`' DecodeStream, one call per token, as
+vLLM does for fast tokenizers), and text that could still be the start of a stop string is held
+back from the stream until it is known not to be one."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
-
-class TextDecoder(Protocol):
-    """The part of `tokenizers.Tokenizer` used here."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
     """Output text of one sequence; `add` a token, `take` the text that is safe to emit."""
 
-    def __init__(self, tokenizer: TextDecoder, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
         self._tokenizer = tokenizer
+        # It keeps the few tokens byte-level and SentencePiece decoders need as context (leading
+        # spaces, merged bytes) and answers None while a UTF-8 character is incomplete.
+        self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = stop
         self._holdback_chars = max((len(s) for s in stop), default=1) - 1
-        self._ids: list[int] = []
-        # Decoding a window [prefix, read) vs [prefix, end) gives the new text with the context
-        # byte-level and SentencePiece decoders need (leading spaces, merged bytes).
-        self._prefix_offset = 0
-        self._read_offset = 0
         self.text = ""
         self._num_emitted_chars = 0
         self.stopped = False  # a stop string was found; text ends before it
@@ -33,17 +27,11 @@ class IncrementalDetokenizer:
         """Append one generated token and look for a stop string in the new text."""
         if self.stopped:
             return
-        self._ids.append(token_id)
-        window = self._ids[self._prefix_offset :]
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._tokenizer.decode(window)
-        # U+FFFD at the end: an incomplete UTF-8 sequence; wait for the next token.
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        piece = self._stream.step(self._tokenizer, token_id)
+        if not piece:
             return
         start = len(self.text)
-        self.text += full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self.text += piece
         self._check_stop(start)
 
     def take(self, *, final: bool) -> str:
