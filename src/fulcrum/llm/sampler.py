@@ -76,7 +76,7 @@ class Sampler:
                 out[rows[j]] = int(token)
         for j, sampling in enumerate(chosen):
             if sampling.seed is not None:
-                generator = self._generator(seq_ids[rows[j]], sampling)
+                generator = self._seeded(seq_ids[rows[j]], sampling.seed)
                 out[rows[j]] = int(torch.multinomial(probs[j], 1, generator=generator).item())
         return out
 
@@ -84,12 +84,11 @@ class Sampler:
         """Forget a finished request's generator."""
         self._generators.pop(seq_id, None)
 
-    def _generator(self, seq_id: int, sampling: SamplingParams) -> torch.Generator:
-        if sampling.seed is None:
-            return self._shared
+    def _seeded(self, seq_id: int, seed: int) -> torch.Generator:
+        """The request's own generator, created from its seed on its first draw."""
         generator = self._generators.get(seq_id)
         if generator is None:
             generator = torch.Generator(device=self._device)
-            generator.manual_seed(sampling.seed)
+            generator.manual_seed(seed)
             self._generators[seq_id] = generator
         return generator
