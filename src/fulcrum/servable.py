@@ -11,7 +11,7 @@ from fulcrum.batcher import BatchRecord, DynamicBatcher, InferResult
 from fulcrum.config import ModelConfig
 from fulcrum.errors import FulcrumError
 from fulcrum.metrics import ModelMetrics, outcome_of
-from fulcrum.scheduler import InstancePool
+from fulcrum.instances import InstancePool
 from fulcrum.stats import ModelStats
 from fulcrum.types import TensorMap
 

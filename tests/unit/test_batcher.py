@@ -14,7 +14,7 @@ from fulcrum.backends.echo import EchoBackend
 from fulcrum.batcher import BatchRecord, DynamicBatcher, InferResult
 from fulcrum.config import DynamicBatching, Instances, ModelConfig, QueuePolicy, TensorSpec
 from fulcrum.errors import DeadlineExceeded, InvalidInput, ModelError, QueueFull, Unavailable
-from fulcrum.scheduler import InstancePool
+from fulcrum.instances import InstancePool
 from fulcrum.types import FakeClock, TensorMap
 
 

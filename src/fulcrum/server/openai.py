@@ -19,7 +19,7 @@ from starlette.routing import Route
 from fulcrum.errors import FulcrumError, ModelError
 from fulcrum.llm.outputs import RequestOutput, Usage
 from fulcrum.server.http import read_body
-from fulcrum.server.openai_wire import (
+from fulcrum.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from fulcrum.scheduler import InstancePool
+from fulcrum.instances import InstancePool
 from fulcrum.types import TensorMap
 
 WAIT_S = 10.0  # a hang guard for thread hand-offs, never a speed assertion
