@@ -93,7 +93,8 @@ def test_default_and_typical_sampling_params_are_valid() -> None:
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
         ({"temperature": math.inf}, "temperature"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),  # -1, like 0, means off (vLLM)
+        ({"top_k": 2**63}, "top_k"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"seed": 2**64}, "seed"),

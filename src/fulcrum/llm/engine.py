@@ -1,6 +1,7 @@
 """AsyncLLMEngine: the step loop on ONE dedicated thread, tokens handed to each request's asyncio
 queue with `call_soon_threadsafe`. The thread sleeps on an event while idle (never polls); a
-cancelled stream aborts its sequence within a step; a dead engine fails every request clearly."""
+cancelled stream aborts its sequence within a step; a crashed thread fails its requests clearly
+and is restarted by its supervisor (`fulcrum.llm.supervisor`), reusing the loaded weights."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.outputs import RequestOutput
 from fulcrum.llm.params import EngineParams
 from fulcrum.llm.sampling_params import SamplingParams
+from fulcrum.llm.supervisor import RestartPolicy, RestartTracker
 from fulcrum.llm.sync_engine import LLMEngine
 
 if TYPE_CHECKING:
@@ -54,9 +56,17 @@ class _Add:
 class AsyncLLMEngine:
     """One model's engine for the server: `generate` streams RequestOutputs."""
 
-    def __init__(self, engine: LLMEngine, *, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        model_name: str,
+        version: int = 1,
+        restart_policy: RestartPolicy | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.version = version
         self._commands: list[_Add | str] = []  # str: a request id to abort
         self._lock = threading.Lock()  # guards _commands
         self._wake = threading.Event()
@@ -67,7 +77,14 @@ class AsyncLLMEngine:
         self._accepting = False
         self._error: BaseException | None = None
         self._num_waiting = 0  # the scheduler's count, published by the engine thread
+        # Python >= 3.10 binds an asyncio.Event to a loop on first use, not here, so this
+        # constructor may run in a worker thread (from_config under asyncio.to_thread).
         self._idle = asyncio.Event()
+        self._restarts = RestartTracker(restart_policy or RestartPolicy())
+        self._restart_task: asyncio.Task[None] | None = None
+        self._retry_after_s = 1.0  # the backoff left when the engine went down
+        self._given_up = False  # too many restarts: down until the model is reloaded
+        self._reset_pending = False  # the next engine thread resets the crashed engine first
 
     @classmethod
     def from_config(
@@ -75,28 +92,46 @@ class AsyncLLMEngine:
         config: ModelConfig,
         version_dir: Path,
         *,
+        version: int = 1,
         registry: CollectorRegistry | None = None,
     ) -> AsyncLLMEngine:
-        """Build from a `platform = "llm"` model: parameters from config.toml, weights from disk."""
+        """Build from a `platform = "llm"` model: parameters from config.toml, weights from disk.
+        Blocking (weights, KV pool, kernel compilation) and loop-free: call it in a worker
+        thread; `start` then only starts the engine thread."""
         from prometheus_client import CollectorRegistry
 
         params = EngineParams.from_parameters(dict(config.parameters))
-        metrics = LLMMetrics(registry or CollectorRegistry(), config.name)
-        engine = LLMEngine.from_checkpoint(version_dir, params, metrics=metrics)
-        return cls(engine, model_name=config.name)
+        metrics = LLMMetrics(registry or CollectorRegistry(), config.name, version)
+        try:
+            engine = LLMEngine.from_checkpoint(version_dir, params, metrics=metrics)
+        except BaseException:
+            metrics.remove()  # a failed load leaves no series behind
+            raise
+        return cls(engine, model_name=config.name, version=version)
 
     @property
     def is_healthy(self) -> bool:
-        """False once the engine thread died (readiness goes off) or before start."""
+        """False before start, while a crashed engine thread waits for its restart, and for good
+        once it crashed too often (readiness goes off)."""
         return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def num_restarts(self) -> int:
+        """Engine threads restarted after a crash."""
+        return self._restarts.num_restarts
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a text prompt."""
-        return self.engine.encode(text)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt (the tokenizer's special tokens added unless told not)."""
+        return self.engine.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat messages: the template renders the special tokens, so the
+        tokenizer adds none (no double BOS), as transformers' apply_chat_template does."""
+        return self.engine.encode_chat(messages)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for chat messages (the checkpoint's template, or a default)."""
@@ -115,8 +150,10 @@ class AsyncLLMEngine:
         self._thread.start()
 
     async def stop(self, timeout_s: float | None = None) -> None:
-        """Refuse new requests, let in-flight ones finish (bounded), abort the rest, join."""
+        """Refuse new requests, let in-flight ones finish (bounded), abort the rest, join, and
+        drop this model version's metric series."""
         self._accepting = False
+        await self._cancel_restart()
         drain_s = self.engine.params.drain_timeout_s if timeout_s is None else timeout_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), drain_s)
@@ -125,6 +162,8 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, max(drain_s, 1.0))
+        if self.engine.metrics is not None:
+            self.engine.metrics.remove()
 
     def generate(
         self,
@@ -166,8 +205,8 @@ class AsyncLLMEngine:
         priority: int,
         cache_salt: str | None,
     ) -> asyncio.Queue[_Item]:
-        if self._error is not None or not self.is_healthy:
-            raise Unavailable(f"model {self.model_name!r}: the LLM engine is not running")
+        if not self.is_healthy:
+            raise self._down_error()
         if not self._accepting:
             raise Unavailable(f"model {self.model_name!r} is shutting down")
         if request_id in self._streams:
@@ -196,6 +235,9 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         try:
+            if self._reset_pending:  # here, not on the loop: a reset frees and rebuilds state
+                self._reset_pending = False
+                self.engine.reset()
             while not self._stopping:
                 self._wake.clear()
                 self._apply_commands()
@@ -211,7 +253,7 @@ class AsyncLLMEngine:
         except BaseException as exc:
             log.exception("LLM engine %r died", self.model_name)
             self._error = exc
-            self._call_in_loop(self._fail_all, ModelError(f"LLM engine died: {exc!r}"))
+            self._call_in_loop(self._on_crash, exc)
 
     def _apply_commands(self) -> None:
         with self._lock:
@@ -251,6 +293,9 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
+            if output.error is not None:  # this request alone failed in its step
+                self._deliver_error(output.request_id, output.error)
+                continue
             queue = self._streams.get(output.request_id)
             if queue is not None:
                 queue.put_nowait(output)
@@ -273,3 +318,60 @@ class AsyncLLMEngine:
         self._streams.pop(request_id, None)
         if not self._streams:
             self._idle.set()
+
+    # --- supervision (event loop) ---------------------------------------------------------
+
+    def _on_crash(self, exc: BaseException) -> None:
+        """The engine thread died: fail its requests, then restart it after a backoff."""
+        self._fail_all(ModelError(f"LLM engine crashed ({exc!r}); it is being restarted"))
+        if self._stopping or not self._accepting:
+            return
+        backoff_s = self._restarts.on_crash(self.engine.clock.now())
+        if backoff_s is None:
+            log.error("LLM engine %r crashed too often; it stays down", self.model_name)
+            self._given_up = True
+            return
+        self._retry_after_s = max(backoff_s, 1.0)
+        # Owned here: stop() cancels it; it ends by starting a thread or by giving up.
+        self._restart_task = asyncio.get_running_loop().create_task(self._restart(backoff_s))
+
+    async def _restart(self, backoff_s: float) -> None:
+        await asyncio.sleep(backoff_s)  # the backoff deadline; nothing to wait on instead
+        thread = self._thread
+        if thread is not None:  # it ended with the crash; join so no two threads overlap
+            await asyncio.to_thread(thread.join)
+        if self._stopping or not self._accepting:
+            return
+        with self._lock:  # their streams were failed at the crash: they must not run now
+            self._commands = [c for c in self._commands if isinstance(c, str)]
+        self._reset_pending = True
+        self._num_waiting = 0  # the reset empties the queue; the new thread publishes anew
+        self._error = None
+        self._restarts.on_restart(self.engine.clock.now())
+        if self.engine.metrics is not None:
+            self.engine.metrics.restarts.inc()
+        log.warning("LLM engine %r restarted (restart %d)", self.model_name, self.num_restarts)
+        self._thread = threading.Thread(
+            target=self._run, name=f"llm-engine-{self.model_name}", daemon=True
+        )
+        self._thread.start()
+
+    async def _cancel_restart(self) -> None:
+        task, self._restart_task = self._restart_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _down_error(self) -> Unavailable:
+        name = self.model_name
+        if self._given_up:
+            return Unavailable(
+                f"model {name!r}: the LLM engine crashed repeatedly and stays down; reload it"
+            )
+        if self._error is not None:
+            return Unavailable(
+                f"model {name!r}: the LLM engine is restarting after a crash",
+                retry_after_s=self._retry_after_s,
+            )
+        return Unavailable(f"model {name!r}: the LLM engine is not running")

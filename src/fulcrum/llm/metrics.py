@@ -1,13 +1,15 @@
 """The LLM engine's Prometheus metrics, with vLLM's meanings, on a registry passed in.
 
-Latencies are histograms (so replicas aggregate); every series carries only the `model` label
-(plus `finished_reason` on the request counter), so request content never creates a series.
-The metric families are created once per registry and shared by every LLM model (and every
-version, across reloads) registered on it.
+Latencies are histograms (so replicas aggregate); every series carries only the `model` and
+`version` labels (plus `finished_reason` on the request counter), so request content never
+creates a series. The metric families are created once per registry and shared by every LLM
+model and version registered on it; `LLMMetrics.remove` drops one model version's series when
+its engine stops, so unloads and new versions leave nothing behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -20,20 +22,21 @@ _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 _REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                       40.0, 50.0, 60.0, 120.0, 240.0)  # fmt: skip
 PREFIX = "fulcrum_llm_"
+_LABELS = ("model", "version")
 
 
 class _Families:
-    """Every LLM metric family of one registry, labelled by model."""
+    """Every LLM metric family of one registry, labelled by model and version."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model"], registry=registry, buckets=buckets)
+            return Histogram(PREFIX + name, doc, _LABELS, registry=registry, buckets=buckets)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ["model"], registry=registry)
+            return Gauge(PREFIX + name, doc, _LABELS, registry=registry)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ["model"], registry=registry)
+            return Counter(PREFIX + name, doc, _LABELS, registry=registry)
 
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first output token.",
                          _TTFT_BUCKETS_S)  # fmt: skip
@@ -55,8 +58,19 @@ class _Families:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.restarts = counter("engine_restarts", "Engine threads restarted after a crash.")
         self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                               ["model", "finished_reason"], registry=registry)  # fmt: skip
+                               [*_LABELS, "finished_reason"], registry=registry)  # fmt: skip
+        # Guarded by _families_lock: engines of each (model, version), and the finished_reason
+        # values each created.
+        self.num_users: dict[tuple[str, str], int] = {}
+        self.reasons: dict[tuple[str, str], set[str]] = {}
+
+    def per_model(self) -> tuple[Histogram | Gauge | Counter, ...]:
+        """The families labelled by (model, version) only."""
+        return (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.running, self.waiting,
+                self.kv_usage, self.preemptions, self.prefix_queries, self.prefix_hits,
+                self.prompt_tokens, self.generation_tokens, self.restarts)  # fmt: skip
 
 
 _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -72,26 +86,54 @@ def _families_of(registry: CollectorRegistry) -> _Families:
 
 
 class LLMMetrics:
-    """Instruments of one model's engine; safe to call from the engine thread."""
+    """Instruments of one model version's engine; safe to call from the engine thread."""
 
-    def __init__(self, registry: CollectorRegistry, model: str) -> None:
-        f = _families_of(registry)
-        self.ttft_s = f.ttft.labels(model)
-        self.itl_s = f.itl.labels(model)
-        self.tpot_s = f.tpot.labels(model)
-        self.e2e_s = f.e2e.labels(model)
-        self.queue_s = f.queue.labels(model)
-        self.running = f.running.labels(model)
-        self.waiting = f.waiting.labels(model)
-        self.kv_usage = f.kv_usage.labels(model)
-        self.preemptions = f.preemptions.labels(model)
-        self.prefix_queries = f.prefix_queries.labels(model)
-        self.prefix_hits = f.prefix_hits.labels(model)
-        self.prompt_tokens = f.prompt_tokens.labels(model)
-        self.generation_tokens = f.generation_tokens.labels(model)
-        self._success = f.success
-        self._model = model
+    def __init__(self, registry: CollectorRegistry, model: str, version: int = 1) -> None:
+        f = self._families = _families_of(registry)
+        labels = self._labels = (model, str(version))
+        with _families_lock:
+            # Two engines of one version can overlap (a reload of the same version): the series
+            # go when the last of them is removed.
+            f.num_users[labels] = f.num_users.get(labels, 0) + 1
+        self._removed = False
+        self.ttft_s = f.ttft.labels(*labels)
+        self.itl_s = f.itl.labels(*labels)
+        self.tpot_s = f.tpot.labels(*labels)
+        self.e2e_s = f.e2e.labels(*labels)
+        self.queue_s = f.queue.labels(*labels)
+        self.running = f.running.labels(*labels)
+        self.waiting = f.waiting.labels(*labels)
+        self.kv_usage = f.kv_usage.labels(*labels)
+        self.preemptions = f.preemptions.labels(*labels)
+        self.prefix_queries = f.prefix_queries.labels(*labels)
+        self.prefix_hits = f.prefix_hits.labels(*labels)
+        self.prompt_tokens = f.prompt_tokens.labels(*labels)
+        self.generation_tokens = f.generation_tokens.labels(*labels)
+        self.restarts = f.restarts.labels(*labels)
 
     def request_finished(self, finish_reason: str) -> None:
-        """Count one finished request (stop, length or abort)."""
-        self._success.labels(self._model, finish_reason).inc()
+        """Count one finished request (stop, length, abort or error)."""
+        f = self._families
+        with _families_lock:
+            f.reasons.setdefault(self._labels, set()).add(finish_reason)
+        f.success.labels(*self._labels, finish_reason).inc()
+
+    def remove(self) -> None:
+        """Drop this model version's series from the registry (its engine stopped for good);
+        idempotent."""
+        f = self._families
+        with _families_lock:
+            if self._removed:
+                return
+            self._removed = True
+            f.num_users[self._labels] -= 1
+            if f.num_users[self._labels] > 0:
+                return
+            del f.num_users[self._labels]
+            reasons = f.reasons.pop(self._labels, set())
+        for family in f.per_model():
+            with contextlib.suppress(KeyError):
+                family.remove(*self._labels)
+        for reason in reasons:
+            with contextlib.suppress(KeyError):
+                f.success.remove(*self._labels, reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fulcrum.errors import ModelError
 from fulcrum.llm.detokenizer import IncrementalDetokenizer
 from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.sequence import Sequence
@@ -29,8 +30,9 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    finish_reason: str | None  # "stop", "length", "abort"; None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
     usage: Usage
+    error: ModelError | None = None  # why this request alone failed (finish_reason "error")
 
     @property
     def finished(self) -> bool:

@@ -8,13 +8,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fulcrum.errors import ConfigError
+from fulcrum.errors import ConfigError, ModelError
 from fulcrum.llm.models import CausalLM, decode_kernel
 from fulcrum.llm.models.attention import build_metadata, kv_cache_shape
 from fulcrum.llm.sampler import Sampler
 
 if TYPE_CHECKING:
+    from fulcrum.llm.sampling_params import SamplingParams
     from fulcrum.llm.scheduler import ScheduledBatch
+
+# Per sequence of a step: its sampled token, None (mid-prefill), or the error of its own row.
+Sampled = int | ModelError | None
 
 
 def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -64,8 +68,9 @@ class ModelRunner:
             decode_kernel.warm_up()
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
-        """One forward step; a token id for each sequence that samples, None for the others."""
+    def run(self, batch: ScheduledBatch) -> list[Sampled]:
+        """One forward step; a token id for each sequence that samples, None for the others, a
+        ModelError for a sequence whose own row could not be sampled."""
         if batch.is_empty:
             return []
         order = _step_order(batch)
@@ -98,13 +103,13 @@ class ModelRunner:
         ids = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device)
         pos = torch.from_numpy(np.array(positions, dtype=np.int64)).to(self.device)
         hidden = self.model(ids, pos, meta, self.kv_caches)  # (T, C)
-        sampled: list[int | None] = [None] * len(batch.seqs)
+        sampled: list[Sampled] = [None] * len(batch.seqs)
         if not sampling:
             return sampled
         # Sample in batch order, so unseeded requests draw from the shared generator as before.
         pairs = sorted(zip(sampling, sample_rows, strict=True))
         logits = self.model.compute_logits(hidden[[row for _, row in pairs]])  # (S, V)
-        tokens = self.sampler.sample(
+        tokens = self._sample(
             logits,
             [batch.seqs[i].sampling for i, _ in pairs],
             [batch.seqs[i].seq_id for i, _ in pairs],
@@ -116,6 +121,28 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         """Drop per-request sampler state of a finished or aborted sequence."""
         self.sampler.release(seq_id)
+
+    def reset(self) -> None:
+        """Forget every request's sampler state (after a crash); the KV pool is reused as is:
+        a fresh block manager never reads a block before writing it."""
+        self.sampler = Sampler(self.device)
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]
+    ) -> list[int | ModelError]:
+        """logits (S, V) -> a token per row; if the batch fails, each row is drawn alone so only
+        the rows that fail on their own get an error (with nothing of another row in it)."""
+        try:
+            return list(self.sampler.sample(logits, params, seq_ids))
+        except Exception:  # a bad row (NaN logits, say) fails the batched draw; isolate it
+            pass
+        out: list[int | ModelError] = []
+        for row, (sampling, seq_id) in enumerate(zip(params, seq_ids, strict=True)):
+            try:
+                out.extend(self.sampler.sample(logits[row : row + 1], [sampling], [seq_id]))
+            except Exception as exc:
+                out.append(ModelError(f"sampling failed for this request: {exc}"))
+        return out
 
 
 def _step_order(batch: ScheduledBatch) -> list[int]:

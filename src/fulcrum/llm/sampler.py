@@ -34,8 +34,10 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tenso
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
-    # Drop a token when the tokens before it already reach top_p; the first always stays.
+    # Drop a token when the tokens before it already reach top_p; the first always stays, even
+    # for a top_p that rounds to 0 in float32 (an all -inf row would sample NaN).
     drop_sorted = ((probs.cumsum(-1) - probs) >= p[..., None]) & ~off[..., None]
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -59,14 +61,16 @@ class Sampler:
         batch (a seeded request draws from its own generator)."""
         logits = logits.float()
         out: list[int] = logits.argmax(dim=-1).tolist()
-        rows = [i for i, sampling in enumerate(params) if sampling.temperature != 0.0]
+        rows = [i for i, sampling in enumerate(params) if not sampling.is_greedy]
         if not rows:
             return out
         chosen = [params[i] for i in rows]
         device = logits.device
-        temperature = torch.tensor([s.temperature for s in chosen], device=device)
+        temperature = torch.tensor([s.effective_temperature for s in chosen], device=device)
         scores = logits[rows] / temperature[:, None]
-        scores = top_k_mask(scores, torch.tensor([s.top_k for s in chosen], device=device))
+        vocab = logits.shape[-1]  # a larger top_k is off; clamped, any int fits the tensor
+        top_k = torch.tensor([min(s.top_k, vocab) for s in chosen], device=device)
+        scores = top_k_mask(scores, top_k)
         scores = top_p_mask(scores, torch.tensor([s.top_p for s in chosen], device=device))
         probs = scores.softmax(-1)
         shared = [j for j, s in enumerate(chosen) if s.seed is None]

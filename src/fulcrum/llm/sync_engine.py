@@ -1,27 +1,42 @@
 """LLMEngine: the synchronous step loop (schedule -> run -> update -> detokenize) over one model;
-`fulcrum.llm.engine.AsyncLLMEngine` drives it from one dedicated thread."""
+`fulcrum.llm.engine.AsyncLLMEngine` drives it from one dedicated thread. A failure inside a step
+fails only the requests it can be traced to; the engine keeps serving the others."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from pathlib import Path
 
-import torch
+from fulcrum.extras import check_torch_version, missing_extra, require_extra
 
-from fulcrum.errors import InvalidInput
+try:
+    import torch
+except ImportError as exc:  # the engine is the optional [llm] extra: name it, not just the module
+    raise missing_extra("llm", "torch", exc) from exc
+else:
+    require_extra("llm")
+    check_torch_version(torch.__version__, extra="llm")
+
+from fulcrum.errors import InvalidInput, ModelError
 from fulcrum.llm.block_manager import BlockManager
-from fulcrum.llm.chat import render_chat
+from fulcrum.llm.chat import ChatTemplate
 from fulcrum.llm.detokenizer import IncrementalDetokenizer
 from fulcrum.llm.loader import DTYPES, LoadedLLM, load_checkpoint
 from fulcrum.llm.metrics import LLMMetrics
-from fulcrum.llm.outputs import RequestOutput, RequestState
+from fulcrum.llm.outputs import RequestOutput, RequestState, Usage
 from fulcrum.llm.params import EngineParams
 from fulcrum.llm.runner import ModelRunner, num_blocks_for_budget
 from fulcrum.llm.sampling_params import SamplingParams
-from fulcrum.llm.scheduler import Scheduler
+from fulcrum.llm.scheduler import ScheduledBatch, Scheduler
 from fulcrum.llm.sequence import FinishReason, Sequence
 from fulcrum.types import Clock, MonotonicClock
+
+log = logging.getLogger(__name__)
+# Whole steps that fail in a row before the engine gives up on its state (a lost device fails
+# every step): the step raises, the engine thread ends, and its supervisor rebuilds the engine.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
 class LLMEngine:
@@ -40,6 +55,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.chat_template = loaded.chat_template
         self.special_tokens = loaded.special_tokens
+        self.chat = ChatTemplate(loaded.chat_template, loaded.special_tokens)  # compiled once
         self.vocab_size = loaded.model.vocab_size
         dtype = DTYPES[params.dtype]
         device = torch.device(params.resolve_device())
@@ -59,22 +75,30 @@ class LLMEngine:
             device=device,
             dtype=dtype,
         )
-        self.block_manager = BlockManager(
-            num_blocks, params.block_size, enable_prefix_caching=params.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=params.max_num_seqs,
-            max_num_batched_tokens=params.max_num_batched_tokens,
-            max_num_waiting=params.max_num_waiting,
-        )
         self.metrics = metrics
         self.clock: Clock = clock or MonotonicClock()
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
+        self._num_failed_steps = 0  # whole steps failed in a row
+        self.block_manager, self.scheduler = self._new_state()
+
+    def _new_state(self) -> tuple[BlockManager, Scheduler]:
+        params = self.params
+        block_manager = BlockManager(
+            self.runner.num_kv_blocks,
+            params.block_size,
+            enable_prefix_caching=params.enable_prefix_caching,
+        )
+        scheduler = Scheduler(
+            block_manager,
+            max_num_seqs=params.max_num_seqs,
+            max_num_batched_tokens=params.max_num_batched_tokens,
+            max_num_waiting=params.max_num_waiting,
+        )
         self._num_preemptions_seen = 0
         self._prefix_seen = (0, 0)
+        return block_manager, scheduler
 
     @classmethod
     def from_checkpoint(
@@ -84,13 +108,21 @@ class LLMEngine:
         loaded = load_checkpoint(directory, dtype=params.dtype, device=params.resolve_device())
         return cls(loaded, params, metrics=metrics)
 
-    def encode(self, prompt: str) -> list[int]:
-        """Token ids of a text prompt."""
-        return list(self.tokenizer.encode(prompt).ids)
+    def encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's BOS/EOS unless told otherwise)."""
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for chat messages."""
-        return render_chat(messages, self.chat_template, self.special_tokens)
+        return self.chat.render(messages)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat messages, as transformers' apply_chat_template(tokenize=True)."""
+        # A checkpoint's template renders its own special tokens (BOS included): adding the
+        # tokenizer's as well would double them (vLLM and transformers encode without them).
+        # The role-tagged default renders none, so the tokenizer's are kept there.
+        text = self.chat.render(messages)
+        return self.encode(text, add_special_tokens=self.chat.is_default)
 
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidInput (naming the field) for a request that can never run."""
@@ -140,6 +172,7 @@ class LLMEngine:
         )
         self._requests[request_id] = state
         self._by_seq[seq.seq_id] = state
+        self.update_gauges()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; its final output, or None if unknown."""
@@ -147,11 +180,28 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.abort(state.seq.seq_id)
-        return self._finish(state, FinishReason.ABORT.value)
+        output = self._finish(state, FinishReason.ABORT.value)
+        self.update_gauges()  # an abort with no step after it must not leave them stale
+        return output
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request (shutdown); their final outputs."""
         return [out for rid in list(self._requests) if (out := self.abort(rid)) is not None]
+
+    def reset(self) -> list[str]:
+        """Forget every request without trusting the scheduler's state (after a crash), keeping
+        the weights and the KV pool; the ids of the requests dropped."""
+        dropped = list(self._requests)
+        if self.metrics is not None:
+            for _ in dropped:  # their streams were failed when the engine crashed
+                self.metrics.request_finished("error")
+        self._requests.clear()
+        self._by_seq.clear()
+        self._num_failed_steps = 0
+        self.runner.reset()
+        self.block_manager, self.scheduler = self._new_state()
+        self.update_gauges()
+        return dropped
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
@@ -164,16 +214,42 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; outputs of the requests that got a token (or finished) in it."""
         batch = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        if not batch.is_empty:
-            now_s = self.clock.now()
-            for seq in batch.seqs:
-                self._by_seq[seq.seq_id].on_scheduled(now_s, self.metrics)
+        outputs = [] if batch.is_empty else self._run_batch(batch)
+        self.update_gauges()
+        return outputs
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        now_s = self.clock.now()
+        for seq in batch.seqs:
+            self._by_seq[seq.seq_id].on_scheduled(now_s, self.metrics)
+        try:
             sampled = self.runner.run(batch)
-            updated = self.scheduler.update(batch, sampled)
-            now_s = self.clock.now()
-            outputs = [self._postprocess(self._by_seq[seq.seq_id], now_s) for seq in updated]
-        self._update_gauges()
+        except Exception as exc:
+            self._num_failed_steps += 1
+            if self._num_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                raise
+            # The step's own sequences wrote the KV slots it touched: aborting them frees
+            # those blocks uncommitted, so no later request reads what the failed step wrote.
+            log.exception("LLM step failed; failing its %d requests", len(batch.seqs))
+            error = ModelError(f"the model step failed: {exc!r}")
+            return [self._fail(self._by_seq[seq.seq_id], error) for seq in batch.seqs]
+        self._num_failed_steps = 0
+        outputs: list[RequestOutput] = []
+        tokens: list[int | None] = []
+        for seq, token in zip(batch.seqs, sampled, strict=True):
+            if isinstance(token, ModelError):  # this row alone: update() skips the aborted seq
+                outputs.append(self._fail(self._by_seq[seq.seq_id], token))
+                token = None
+            tokens.append(token)
+        updated = self.scheduler.update(batch, tokens)
+        now_s = self.clock.now()
+        for seq in updated:
+            state = self._by_seq[seq.seq_id]
+            try:
+                outputs.append(self._postprocess(state, now_s))
+            except Exception as exc:  # e.g. the detokenizer on a bad token: only this request
+                log.exception("LLM request %r failed after its step", state.request_id)
+                outputs.append(self._fail(state, ModelError(f"output processing failed: {exc!r}")))
         return outputs
 
     def _postprocess(self, state: RequestState, now_s: float) -> RequestOutput:
@@ -186,6 +262,18 @@ class LLMEngine:
             return self._finish(state, seq.finish_reason.value)
         return state.output(None)
 
+    def _fail(self, state: RequestState, error: ModelError) -> RequestOutput:
+        """End one request with an error, whatever stage it failed in; frees its blocks."""
+        seq = state.seq
+        self.scheduler.abort(seq.seq_id)  # None when the scheduler already finished it
+        self._requests.pop(state.request_id, None)
+        self._by_seq.pop(seq.seq_id, None)
+        self.runner.release(seq.seq_id)
+        if self.metrics is not None:
+            self.metrics.request_finished("error")
+        usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+        return RequestOutput(state.request_id, [], "", "error", usage, error=error)
+
     def _finish(self, state: RequestState, reason: str) -> RequestOutput:
         del self._requests[state.request_id]
         del self._by_seq[state.seq.seq_id]
@@ -193,7 +281,8 @@ class LLMEngine:
         state.on_finished(self.clock.now(), self.metrics, reason)
         return state.output(reason)
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
+        """Publish the scheduler's state to the gauges (and the counters' increments)."""
         metrics = self.metrics
         if metrics is None:
             return
