@@ -184,3 +184,69 @@ def test_load_failures_name_the_problem(
     with pytest.raises(error, match=message):
         PythonBackend(make_config(**params), write(tmp_path, source))
     assert set(sys.modules) == before  # a failed load leaves no module behind
+
+
+def typed_config(datatype: str, *, max_batch_size: int = 4) -> ModelConfig:
+    return ModelConfig(
+        name="typed",
+        platform="python",
+        max_batch_size=max_batch_size,
+        inputs=(TensorSpec(name="x", datatype="INT64", shape=(1,)),),
+        outputs=(TensorSpec(name="y", datatype=datatype, shape=(1,)),),
+    )
+
+
+def returning(folder: Path, expression: str) -> Path:
+    source = f"""
+    import numpy as np
+
+    class Model:
+        def execute(self, batch):
+            x = batch["x"]
+            return {{"y": {expression}}}
+    """
+    return write(folder, source)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "expression", "message"),
+    [
+        ("FP32", "x * 0.5", r"output 'y' has dtype float64, expected FP32 \(float32\)"),
+        ("INT64", "x.astype(np.int32)", r"output 'y' has dtype int32, expected INT64 \(int64\)"),
+        ("INT64", "x.astype(object)", r"output 'y' has dtype object, expected INT64"),
+        ("BYTES", "x", r"output 'y' has dtype int64, expected BYTES"),
+        ("INT64", "x[:1]", r"output 'y' has shape \(1, 1\), expected 2 rows"),
+        ("INT64", "np.int64(1)", r"output 'y' has shape \(\), expected 2 rows"),
+    ],
+)
+def test_outputs_that_disagree_with_the_config_are_model_errors(
+    tmp_path: Path, datatype: str, expression: str, message: str
+) -> None:
+    backend = create_backend(typed_config(datatype), returning(tmp_path, expression))
+    with pytest.raises(ModelError, match=message):
+        backend.execute(x(1, 2))
+
+
+@pytest.mark.parametrize(
+    ("datatype", "expression", "max_batch_size", "expected"),
+    [
+        ("BYTES", "np.array([b'a', b'b'], dtype=object)", 4, [b"a", b"b"]),
+        ("BYTES", "np.array(['a', 'b'])", 4, ["a", "b"]),  # str and bytes arrays: BYTES too
+        ("BYTES", "np.array([b'a', b'b'])", 4, [b"a", b"b"]),
+        ("FP32", "(x * 0.5).astype(np.float32)", 4, [[0.5], [1.0]]),
+        ("INT64", "x[:1]", 0, [[1]]),  # a model that does not batch has no rows to match
+    ],
+)
+def test_outputs_that_match_the_config_are_served(
+    tmp_path: Path, datatype: str, expression: str, max_batch_size: int, expected: list[object]
+) -> None:
+    config = typed_config(datatype, max_batch_size=max_batch_size)
+    backend = create_backend(config, returning(tmp_path, expression))
+    assert backend.execute(x(1, 2))["y"].tolist() == expected
+
+
+def test_isolation_defaults_to_thread_and_is_checked(tmp_path: Path) -> None:
+    write(tmp_path, DOUBLER)
+    assert isinstance(create_backend(make_config(), tmp_path), PythonBackend)
+    with pytest.raises(ConfigError, match="'isolation' = 'fork'"):
+        create_backend(make_config(isolation="fork"), tmp_path)

@@ -32,7 +32,7 @@ _FACTORIES = {
     "echo": "fulcrum.backends.echo:EchoBackend",
     "onnx": "fulcrum.backends.onnx:OnnxBackend",
     "torch": "fulcrum.backends.torch:TorchBackend",
-    "python": "fulcrum.backends.python:PythonBackend",
+    "python": "fulcrum.backends.python:load_python_backend",
 }
 
 

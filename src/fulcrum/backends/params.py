@@ -35,6 +35,16 @@ def get_int(params: Params, key: str, default: int, *, min_value: int = 0) -> in
     return value
 
 
+def get_float(params: Params, key: str, default: float, *, min_value: float = 0.0) -> float:
+    """A number parameter >= `min_value`; TOML integers are accepted (`60` for `60.0`)."""
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"parameter {key!r} = {value!r}: expected a number")
+    if not value >= min_value:  # `not >=` also refuses NaN
+        raise ConfigError(f"parameter {key!r} = {value!r}: must be >= {min_value}")
+    return float(value)
+
+
 def get_bool(params: Params, key: str, default: bool) -> bool:
     """A boolean parameter (TOML `true`/`false`, not strings or numbers)."""
     value = params.get(key, default)

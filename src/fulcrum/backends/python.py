@@ -7,6 +7,10 @@ The user class (Triton python_backend style, one batch per call):
         def initialize(self): ...                          # optional
         def execute(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
         def close(self): ...                               # optional
+
+`[parameters] isolation` picks where it runs: "thread" (the default) in the server process, on
+its instance's thread; "process" in a process of its own per instance (`backends/process.py`).
+Either way its outputs are checked against the config before they are served.
 """
 
 from __future__ import annotations
@@ -22,13 +26,27 @@ from typing import Any
 
 import numpy as np
 
+from fulcrum.backends import Backend
 from fulcrum.backends.params import get_str, version_file
 from fulcrum.config import ModelConfig
+from fulcrum.datatypes import to_numpy
 from fulcrum.errors import ConfigError, FulcrumError, ModelError
-from fulcrum.types import TensorMap
+from fulcrum.types import Array, TensorMap
+
+ISOLATIONS = ("thread", "process")
 
 # Each load gets its own module name, so two versions of one model never share module state.
 _load_ids = itertools.count()
+
+
+def load_python_backend(config: ModelConfig, version_dir: Path) -> Backend:
+    """The factory for platform "python": in-thread or in its own process, per `isolation`."""
+    isolation = get_str(config.parameters, "isolation", "thread", choices=ISOLATIONS)
+    if isolation == "process":
+        from fulcrum.backends.process import ProcessBackend  # lazily: it imports this module
+
+        return ProcessBackend(config, version_dir)
+    return PythonBackend(config, version_dir)
 
 
 class PythonBackend:
@@ -39,6 +57,7 @@ class PythonBackend:
         path = version_file(version_dir, get_str(params, "module", "model.py"), "module")
         class_name = get_str(params, "class", "Model")
         self.name = config.name
+        self.config = config
         self.output_names = [spec.name for spec in config.outputs]
         self.module = _import_file(config.name, path)
         try:
@@ -57,7 +76,8 @@ class PythonBackend:
             raise
 
     def execute(self, inputs: TensorMap) -> TensorMap:
-        """Run one batch through the user's `execute`; outputs filtered to the config's."""
+        """Run one batch through the user's `execute`; outputs filtered to and checked against
+        the config's."""
         result = _call_user(self.name, "execute", lambda: self._execute(dict(inputs)))
         if not isinstance(result, Mapping):
             raise ModelError(
@@ -67,13 +87,51 @@ class PythonBackend:
         missing = [n for n in names if n not in result]
         if missing:
             raise ModelError(f"model {self.name!r}: execute returned no output {missing}")
-        return {name: np.asarray(result[name]) for name in names}
+        outputs = {name: np.asarray(result[name]) for name in names}
+        check_outputs(self.config, outputs, _num_rows(self.config, inputs))
+        return outputs
 
     def close(self) -> None:
         close = _optional_method(self.model, "close")
         sys.modules.pop(self.module.__name__, None)
         if close is not None:
             _call_user(self.name, "close", close)
+
+
+def check_outputs(config: ModelConfig, outputs: TensorMap, num_rows: int | None) -> None:
+    """Refuse outputs the server would misserve: a datatype other than the declared one (as
+    Triton refuses it), or, when batching, a row count other than the batch's (the batcher
+    splits outputs by row, so a short output would hand one request another's rows)."""
+    for spec in config.outputs:
+        array = outputs.get(spec.name)
+        if array is not None and not _matches(array, spec.datatype):
+            raise ModelError(
+                f"model {config.name!r}: output {spec.name!r} has dtype {array.dtype}, "
+                f"expected {spec.datatype} ({to_numpy(spec.datatype)})"
+            )
+    if num_rows is None:
+        return
+    for name, array in outputs.items():
+        rows = array.shape[0] if array.ndim else None
+        if rows != num_rows:
+            raise ModelError(
+                f"model {config.name!r}: output {name!r} has shape {array.shape}, "
+                f"expected {num_rows} rows (one per row of the batch)"
+            )
+
+
+def _matches(array: Array, datatype: str) -> bool:
+    if datatype == "BYTES":
+        return array.dtype.kind in ("O", "S", "U")  # the encoder sends all three as BYTES
+    return array.dtype == to_numpy(datatype)
+
+
+def _num_rows(config: ModelConfig, inputs: TensorMap) -> int | None:
+    """The batch's row count when the model batches (every input has it on axis 0)."""
+    if config.max_batch_size <= 0:
+        return None
+    first = next(iter(inputs.values()), None)
+    return first.shape[0] if first is not None and first.ndim else None
 
 
 def _import_file(model_name: str, path: Path) -> ModuleType:
