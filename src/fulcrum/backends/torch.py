@@ -23,12 +23,16 @@ from fulcrum.backends.text import TextFrontEnd
 from fulcrum.config import ModelConfig
 from fulcrum.datatypes import to_numpy
 from fulcrum.errors import ConfigError, InvalidInput, ModelError
+from fulcrum.extras import check_torch_version, release
 from fulcrum.types import TensorMap
 
 if TYPE_CHECKING:
     import torch
 
 _FORMATS = {".pt": "torchscript", ".pt2": "export"}
+# The torch whose `torch.export` archive layout `check_pt2_archive` was written against: other
+# releases may unpickle other entries, so their archives load only with `allow_pickle`.
+PT2_CHECKED_TORCH = (2, 13)
 
 
 class TorchBackend:
@@ -37,6 +41,7 @@ class TorchBackend:
     def __init__(self, config: ModelConfig, version_dir: Path) -> None:
         import torch
 
+        check_torch_version(torch.__version__, extra="torch", feature=f"serving '{config.name}'")
         params = config.parameters
         self.name = config.name
         self.device = torch.device(_device(get_str(params, "device", _default_device())))
@@ -157,6 +162,7 @@ def _load(path: Path, device: torch.device, *, allow_pickle: bool) -> Any:
                 module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
             return module.eval()
         if not allow_pickle:
+            check_pt2_torch(path, torch.__version__)
             check_pt2_archive(path)
         program = torch.export.load(str(path))
         return program.module().to(device)
@@ -164,6 +170,16 @@ def _load(path: Path, device: torch.device, *, allow_pickle: bool) -> Any:
         raise
     except Exception as exc:  # torch raises many types for a corrupt or foreign file
         raise ModelError(f"cannot load {path}: {exc}") from exc
+
+
+def check_pt2_torch(path: Path, version: str) -> None:
+    """Refuse to vouch for a `.pt2` archive under a torch whose loader was not inspected."""
+    if release(version)[:2] != PT2_CHECKED_TORCH:
+        checked = ".".join(map(str, PT2_CHECKED_TORCH))
+        raise ConfigError(
+            f"{path}: refused, the pickle check of .pt2 archives is written for torch {checked} "
+            f"and torch {version} may load them differently; set allow_pickle = true to trust it"
+        )
 
 
 def check_pt2_archive(path: Path) -> None:

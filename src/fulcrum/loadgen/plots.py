@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fulcrum.extras import require
 from fulcrum.loadgen.results import BenchRun
 
 CURVE_PNG = "latency_throughput.png"
@@ -14,8 +15,7 @@ _PERCENTILES = (("p50_ms", "P50", "-"), ("p90_ms", "P90", "--"), ("p99_ms", "P99
 
 
 def _pyplot() -> Any:
-    import matplotlib
-
+    matplotlib = require("bench", "matplotlib", feature="benchmark plots")
     matplotlib.use("Agg")  # files only; never a window
     import matplotlib.pyplot as plt
 
