@@ -6,40 +6,67 @@ import argparse
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from fulcrum import __version__
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+log = logging.getLogger("fulcrum.cli")
+
+
+def _admin_token(flag: str | None) -> str | None:
+    """The management API's token from the flag or FULCRUM_ADMIN_TOKEN; a blank one counts as
+    none (a warning), since an empty Bearer token would otherwise open the API to anyone."""
+    token = flag if flag is not None else os.environ.get("FULCRUM_ADMIN_TOKEN")
+    if token is not None and not token.strip():
+        log.warning("the admin token is empty: treated as unset (management API loopback-only)")
+        return None
+    return token
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from fulcrum.server.app import LOOPBACK, create_app
+    from fulcrum.server.limits import EdgeLimits, protocol_with
     from fulcrum.service import Service, ServiceSettings
 
     settings = ServiceSettings(
         max_body_bytes=args.max_body_mb * 1024 * 1024,
+        max_prompt_bytes=args.max_prompt_kb * 1024,
         drain_timeout_s=args.drain_timeout,
         load_models=tuple(args.model) if args.model else None,
+        freeze_gc_after_start=True,
     )
     service = Service.from_repository(Path(args.repository), settings)
-    token = args.admin_token or os.environ.get("FULCRUM_ADMIN_TOKEN")
-    app = create_app(service, admin_token=token, admin_open=args.host in LOOPBACK)
+    app = create_app(service, admin_token=_admin_token(args.admin_token),
+                     admin_open=args.host in LOOPBACK)  # fmt: skip
+    limits = EdgeLimits(
+        max_header_bytes=args.max_header_kb * 1024, max_headers=args.max_headers,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+    )  # fmt: skip
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, loop="uvloop", http="httptools",
+        app, host=args.host, port=args.port, loop="uvloop", http=protocol_with(limits),
         access_log=False, log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=int(args.drain_timeout), lifespan="on",
+        timeout_graceful_shutdown=math.ceil(args.drain_timeout), lifespan="on",
     )  # fmt: skip
 
     class Server(uvicorn.Server):
+        signalled = False
+
         def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.signalled:  # a second signal during the drain: stop waiting, exit now
+                log.warning("second %s during shutdown: exiting now", signal.Signals(sig).name)
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                os._exit(128 + sig)  # as if killed by it: nothing more is drained or joined
+            self.signalled = True
             service.begin_shutdown()  # readiness off at once, then uvicorn drains
             super().handle_exit(sig, frame)
 
@@ -66,6 +93,16 @@ def _examples(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fulcrum", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fulcrum {__version__}")
@@ -78,7 +115,44 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", action="append", help="load only this model (repeatable)")
     serve.add_argument("--max-body-mb", type=int, default=64, help="largest request body")
-    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to drain")
+    serve.add_argument(
+        "--max-prompt-kb",
+        type=_positive(int),
+        default=1024,
+        help="largest LLM prompt (or chat messages) in KiB, refused (413) before tokenising; "
+        "also at most 32 bytes per token of the model's context",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to drain "
+        "on SIGTERM; requests still running then get 503 (a 2nd signal: exit now)",
+    )
+    serve.add_argument(
+        "--max-header-kb",
+        type=_positive(int),
+        default=64,
+        help="largest request head (request line + headers), KiB; over: 431",
+    )
+    serve.add_argument(
+        "--max-headers",
+        type=_positive(int),
+        default=100,
+        help="most header fields in a request; over: 431",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=_positive(float),
+        default=10.0,
+        help="seconds from connection or first byte to the end of the headers",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=_positive(float),
+        default=30.0,
+        help="seconds from the end of the headers to the end of the body",
+    )
     serve.add_argument("--admin-token", help="Bearer token for the management API "
                        "(required for it on a non-loopback address)")  # fmt: skip
     serve.set_defaults(func=_serve)
@@ -99,7 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return int(args.func(args))
+    from fulcrum.errors import FulcrumError
+
+    try:
+        return int(args.func(args))
+    except FulcrumError as exc:  # a user's mistake (a missing extra, a bad config): no traceback
+        print(f"fulcrum {args.command}: {exc.message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from fulcrum.datatypes import DATATYPES
 from fulcrum.errors import ConfigError
 
 PLATFORMS = ("onnx", "torch", "python", "echo", "llm")
-MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+# Matched whole (`fullmatch`): `$` would accept a trailing newline. The leading letter or digit
+# already refuses `.`, `..`, `.hidden` and `-flag`; `/`, `\` and control characters never match.
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 
 
 class _Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -65,6 +67,9 @@ class Instances(_Frozen, frozen=True):
     """How many copies of the model run, each on its own executor thread."""
 
     count: int = 1
+    # A backend call running longer is failed and its instance marked hung; 0: no limit.
+    # 60 s, like vLLM's engine iteration timeout: far beyond a sane batch, short of forever.
+    execution_timeout_ms: float = 60000.0
 
 
 class Tokenizer(_Frozen, frozen=True):
@@ -111,32 +116,35 @@ class ModelConfig(_Frozen, frozen=True, kw_only=True):
 
 
 def check_model_name(name: str) -> str:
-    """Refuse names that could escape the repository (`..`, `/`, absolute, encoded, control)."""
-    if not MODEL_NAME_RE.match(name) or ".." in name:
+    """Refuse names that could escape the repository (`..`, `/`, absolute, encoded, control);
+    `..` inside a name (`model..1`) is no path segment and is allowed."""
+    if not MODEL_NAME_RE.fullmatch(name):
         raise ConfigError(f"invalid model name {name!r}: use letters, digits, '_', '-', '.'")
     return name
 
 
 def load_model_config(path: Path, *, dir_name: str | None = None) -> ModelConfig:
-    """Read and validate one `config.toml`; `dir_name` is the model's folder name."""
+    """Read and validate one `config.toml`; `dir_name` is the model's folder name. Errors name
+    the file as `<model>/config.toml`, never by its absolute path (they reach clients)."""
+    shown = f"{path.parent.name}/{path.name}"
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+        raise ConfigError(f"{shown}: cannot read: {exc.strerror}") from exc
     try:
         config = msgspec.toml.decode(raw, type=ModelConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path}: {_describe(exc)}") from exc
+        raise ConfigError(f"{shown}: {_describe(exc)}") from exc
     except msgspec.DecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        raise ConfigError(f"{shown}: not valid TOML: {exc}") from exc
     if dir_name is not None:
         if config.name and config.name != dir_name:
-            raise ConfigError(f"{path}: key 'name' = {config.name!r} differs from its folder")
+            raise ConfigError(f"{shown}: key 'name' = {config.name!r} differs from its folder")
         config = msgspec.structs.replace(config, name=dir_name)
     try:
         validate(config)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc.message}") from exc
+        raise ConfigError(f"{shown}: {exc.message}") from exc
     return config
 
 
@@ -161,6 +169,11 @@ def validate(config: ModelConfig) -> None:
     _validate_versions(config.version_policy)
     if config.instances.count < 1:
         raise ConfigError(f"key 'instances.count' = {config.instances.count}: must be >= 1")
+    if not config.instances.execution_timeout_ms >= 0:  # NaN too
+        raise ConfigError(
+            f"key 'instances.execution_timeout_ms' = {config.instances.execution_timeout_ms}: "
+            "must be >= 0"
+        )
     if config.dynamic_batching is not None:
         _validate_batching(config.dynamic_batching, config.max_batch_size)
 

@@ -4,11 +4,14 @@ FulcrumError (500)
 ├── InvalidInput (400)         bad request body, tensor, parameter
 ├── Forbidden (403)            management API without the admin token
 ├── NotFound (404)             unknown model, version or route
+├── RequestTimeout (408)       request head or body sent too slowly (connection closed)
 ├── PayloadTooLarge (413)      body over the configured limit
+├── HeadersTooLarge (431)      request head over the header size or count limit
 ├── Unavailable (503)          not ready, queue full (Retry-After), shutting down
 │   └── QueueFull (503)
 ├── DeadlineExceeded (504)     timed out in the queue; never ran
 ├── ModelError (500)           the backend raised while running a batch
+│   └── ExecutionTimeout (500) the backend ran past its execution limit (hung)
 └── ConfigError (500)          malformed config.toml (names the file, key and value)
 """
 
@@ -47,10 +50,22 @@ class NotFound(FulcrumError):
     status_code = 404
 
 
+class RequestTimeout(FulcrumError):
+    """The client sent its request head or body too slowly; the connection is closed."""
+
+    status_code = 408
+
+
 class PayloadTooLarge(FulcrumError):
     """The request body exceeds the configured limit."""
 
     status_code = 413
+
+
+class HeadersTooLarge(FulcrumError):
+    """The request head exceeds the header size or header count limit."""
+
+    status_code = 431
 
 
 class Unavailable(FulcrumError):
@@ -80,6 +95,10 @@ class ModelError(FulcrumError):
     """The backend raised while executing a batch; only that batch fails."""
 
     status_code = 500
+
+
+class ExecutionTimeout(ModelError):
+    """The backend ran past the model's execution limit; its instance is marked hung (500)."""
 
 
 class ConfigError(FulcrumError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,9 +78,13 @@ class ModelRepository:
         self._entries: dict[str, ModelEntry] = {}
 
     def model_names(self) -> list[str]:
-        """Models on disk (folders holding a config.toml) plus any loaded ones."""
+        """Models on disk (folders holding a config.toml) plus any loaded or loading ones.
+
+        An entry whose folder has gone and that serves nothing is not listed: a failed load of
+        a name that is not in the repository must leave no row behind (Triton's index)."""
         on_disk = {p.parent.name for p in self.root.glob("*/config.toml")}
-        return sorted(on_disk | set(self._entries))
+        live = {n for n, e in self._entries.items() if e.versions or e.state == "LOADING"}
+        return sorted(on_disk | live)
 
     def index(self) -> list[dict[str, str]]:
         """The repository index: one row per model version (or per model when none loaded)."""
@@ -138,13 +143,15 @@ class ModelRepository:
     async def load(self, name: str, config_override: dict[str, object] | None = None) -> None:
         """Load or reload `name`. New versions start before old ones stop, so a reload under
         load fails no request; if any new version fails, the old versions keep serving."""
-        entry = self._entries.setdefault(check_name(name), ModelEntry(name))
+        entry = self._entries.get(check_name(name))
+        if entry is None:
+            self._config_path(name)  # NotFound before any entry exists: no row for a stranger
+            entry = self._entries.setdefault(name, ModelEntry(name))
         async with entry.lock:
             previous_state = entry.state
             entry.state = "LOADING" if not entry.versions else entry.state
             try:
-                config, versions = self._read(name, config_override)
-                started = await self._start_versions(config, versions)
+                config, started = await self._prepare(name, config_override)
             except FulcrumError as exc:
                 entry.state = previous_state if entry.versions else "UNAVAILABLE"
                 entry.reason = exc.message
@@ -170,15 +177,29 @@ class ModelRepository:
             if self._entries[name].versions:
                 await self.unload(name)
 
-    def _read(self, name: str, override: dict[str, object] | None) -> tuple[ModelConfig, list[int]]:
-        model_dir = self.root / name
-        config_path = model_dir / "config.toml"
+    def _config_path(self, name: str) -> Path:
+        config_path = self.root / name / "config.toml"
         if not config_path.is_file():
             raise NotFound(f"model '{name}' has no config.toml in the repository")
-        config = load_model_config(config_path, dir_name=name)
-        if override:
-            config = apply_override(config, override)
-        return config, select_versions(config.version_policy, available_versions(model_dir))
+        return config_path
+
+    async def _prepare(
+        self, name: str, override: dict[str, object] | None
+    ) -> tuple[ModelConfig, dict[int, Servable]]:
+        """Read the config, apply the override, start the chosen versions."""
+        config = load_model_config(self._config_path(name), dir_name=name)
+        if not override:
+            return config, await self._start_versions(config, self._versions(config))
+        config = apply_override(config, override)
+        try:
+            return config, await self._start_versions(config, self._versions(config))
+        except ConfigError as exc:
+            # The file's own config was fine; what the override made of it is not: the load
+            # request is at fault (400), not the repository (500).
+            raise InvalidInput(f"config override: {exc.message}") from exc
+
+    def _versions(self, config: ModelConfig) -> list[int]:
+        return select_versions(config.version_policy, available_versions(self.root / config.name))
 
     async def _start_versions(
         self, config: ModelConfig, versions: list[int]
@@ -189,13 +210,24 @@ class ModelRepository:
                 started[version] = await self._loader(
                     config, version, self.root / config.name / str(version)
                 )
-        except FulcrumError:
+        except FulcrumError as exc:
             await _stop_all(started.values())
+            exc.message = self._relative(exc.message)
+            exc.args = (exc.message,)
             raise
         except Exception as exc:
             await _stop_all(started.values())
-            raise ConfigError(f"model '{config.name}' failed to load: {exc}") from exc
+            raise ConfigError(
+                self._relative(f"model '{config.name}' failed to load: {exc}")
+            ) from exc
         return started
+
+    def _relative(self, text: str) -> str:
+        """Name files relative to the repository root: error texts reach clients, and a backend's
+        message (`No such file: '/srv/models/m/1/model.onnx'`) would show the server's layout."""
+        for prefix in sorted({str(self.root.resolve()), str(self.root.absolute())}, key=len)[::-1]:
+            text = text.replace(prefix + os.sep, "").replace(prefix, ".")
+        return text
 
 
 def check_name(name: str) -> str:

@@ -34,6 +34,7 @@ NUM_INSTANCES = 2
 NUM_SHUTDOWN_REQUESTS = 6  # 2 run at once (500 ms each), the others wait in the queue
 DRAIN_TIMEOUT_S = 20.0
 NUM_LEAVERS = 10
+STUCK_LATENCY_MS = 5000  # outlives a 1 s drain timeout by far
 REFUSED = "refused"  # no HTTP answer at all: connection refused, reset or closed
 Answer = tuple[int | str, object]
 
@@ -42,6 +43,7 @@ def write_repo(root: Path) -> Path:
     models = {  # name: (max_batch_size, instances, latency_a_ms, latency_b_ms)
         "slow": (1, NUM_INSTANCES, 500, 0),
         "single": (8, 1, 0, 250),  # 250 ms a row: a full batch of 8 holds it for 2 s
+        "stuck": (1, 1, STUCK_LATENCY_MS, 0),
     }
     for name, (max_batch_size, num_instances, latency_a_ms, latency_b_ms) in models.items():
         (root / name / "1").mkdir(parents=True)
@@ -128,12 +130,14 @@ class ShutdownRun:
 
 
 @contextlib.contextmanager
-def server_process(repo: Path, log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def server_process(
+    repo: Path, log_path: Path, *extra_args: str
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fulcrum.cli", "serve", "--repository", str(repo),
-             "--port", str(port), "--drain-timeout", str(DRAIN_TIMEOUT_S)],
+             "--port", str(port), "--drain-timeout", str(DRAIN_TIMEOUT_S), *extra_args],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
@@ -239,6 +243,51 @@ def test_queued_request_of_a_departed_client_never_runs(
             assert long.result() == (200, rows_of(0, num_rows=8))
         assert infer(http, url, "single", rows_of(42)) == (200, rows_of(42))  # still serving
         stats = http.get(f"{url}/v2/models/single/stats").json()["model_stats"][0]
-        # the long request and the last one ran; none of the leavers' requests did
-        assert (stats["execution_count"], stats["inference_count"]) == (2, 2)
+        # the long request (8 rows) and the last one ran; none of the leavers' requests did
+        # (Triton counts rows in inference_count, batches in execution_count)
+        assert (stats["execution_count"], stats["inference_count"]) == (2, 9)
         assert metric(http, url, "fulcrum_inflight_requests", "single") == 0
+
+
+def post_infer(http: httpx.Client, url: str, model: str, rows: list[list[float]]) -> httpx.Response:
+    return http.post(f"{url}/v2/models/{model}/infer", content=infer_body(rows))
+
+
+def test_request_cut_off_by_the_drain_timeout_gets_503(
+    repo: Path, http: httpx.Client, tmp_path: Path
+) -> None:
+    """Triton and vLLM: a server that goes away is unavailable (503, retry), not broken (500)."""
+    log_path = tmp_path / "server.log"
+    with server_process(repo, log_path, "--drain-timeout", "1") as (url, proc):
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post_infer, http, url, "stuck", rows_of(1))
+            wait_for(lambda: metric(http, url, "fulcrum_inflight_requests", "stuck") == 1,
+                     "the stuck request to be admitted")  # fmt: skip
+            proc.send_signal(signal.SIGTERM)
+            response = pending.result()
+        returncode = proc.wait(timeout=DRAIN_TIMEOUT_S)
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
+    assert "shutting down" in response.json()["error"]
+    assert returncode == 0
+    assert "Traceback" not in log_path.read_text()
+
+
+def test_second_signal_during_the_drain_exits_at_once(
+    repo: Path, http: httpx.Client, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "server.log"
+    with (
+        server_process(repo, log_path, "--drain-timeout", "60") as (url, proc),
+        ThreadPoolExecutor(1) as pool,
+    ):
+        pending = pool.submit(infer, http, url, "stuck", rows_of(1))
+        wait_for(lambda: metric(http, url, "fulcrum_inflight_requests", "stuck") == 1,
+                 "the stuck request to be admitted")  # fmt: skip
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: ready_status(http, url) != 200, "the first SIGTERM to be handled")
+        proc.send_signal(signal.SIGTERM)
+        # well before the stuck request (5 s) or the drain (60 s) could end on their own
+        returncode = proc.wait(timeout=STUCK_LATENCY_MS / 1000 / 2)
+        assert pending.result() == (REFUSED, None)
+    assert returncode == 128 + signal.SIGTERM

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fulcrum.config import load_model_config
+from fulcrum.config import check_model_name, load_model_config
 from fulcrum.errors import ConfigError
 
 BASE = 'platform = "echo"\nmax_batch_size = 8\n'
@@ -62,10 +62,27 @@ def test_errors_name_the_key(tmp_path: Path, text: str, fragment: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as info:
         load_model_config(path, dir_name="m")
-    assert str(path) in info.value.message
+    # named relative to the repository root: error texts reach clients (issue 9, finding 2)
+    assert info.value.message.startswith("m/config.toml: ")
+    assert str(tmp_path) not in info.value.message
     assert fragment in info.value.message
 
 
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_model_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("name", ["minilm", "model..1", "a.b-c_d", "v2..", "7", "x" * 128])
+def test_model_names_that_stay_inside_the_repository(name: str) -> None:
+    assert check_model_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["minilm\n", "minilm\r", ".", "..", ".hidden", "-flag", "a/b", "a\\b", "../x", "a\x00",
+     "a\tb", "", " m", "é", "x" * 129],
+)  # fmt: skip
+def test_model_names_that_could_escape_are_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="invalid model name"):
+        check_model_name(name)

@@ -41,11 +41,14 @@ class FakeLoader:
     def __init__(self) -> None:
         self.loaded: list[FakeServable] = []
         self.fail_versions: set[int] = set()
+        self.missing_file = False  # raise as a backend does when its weights file is absent
 
     async def __call__(self, config: ModelConfig, version: int, path: Path) -> FakeServable:
         assert path.is_dir()
         if version in self.fail_versions:
             raise ConfigError(f"version {version} is broken")
+        if self.missing_file:
+            raise FileNotFoundError(f"[Errno 2] No such file or directory: '{path}/model.onnx'")
         servable = FakeServable(config, version)
         self.loaded.append(servable)
         return servable
@@ -128,7 +131,9 @@ async def test_unload_then_not_found(tmp_path: Path) -> None:
     assert repo.index() == [{"name": "m", "state": "UNAVAILABLE", "reason": "unloaded"}]
 
 
-@pytest.mark.parametrize("name", ["..", "../etc", "a/b", "/abs", "%2e%2e", "a\x00", "", ".hidden"])
+@pytest.mark.parametrize(
+    "name", ["..", "../etc", "a/b", "/abs", "%2e%2e", "a\x00", "", ".hidden", "m\n", "a\\b", "-m"]
+)
 async def test_names_that_escape_are_refused(tmp_path: Path, name: str) -> None:
     repo = ModelRepository(tmp_path, FakeLoader())
     with pytest.raises(InvalidInput, match="invalid model name"):
@@ -161,3 +166,92 @@ async def test_config_override_is_validated(tmp_path: Path) -> None:
     config = repo.get("m")[0]
     with pytest.raises(InvalidInput, match="platform"):
         apply_override(config, {"platform": "tea"})
+
+
+async def test_load_of_a_model_not_in_the_repository_leaves_no_row(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1])
+    repo = ModelRepository(tmp_path, FakeLoader())
+    with pytest.raises(NotFound, match="ghost"):
+        await repo.load("ghost")
+    assert repo.index() == [{"name": "m", "state": "UNAVAILABLE", "reason": ""}]
+    assert repo.model_names() == ["m"]
+
+
+async def test_failed_load_of_a_real_model_keeps_its_row_and_reason(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1])
+    loader = FakeLoader()
+    loader.fail_versions = {1}
+    repo = ModelRepository(tmp_path, loader)
+    with pytest.raises(ConfigError):
+        await repo.load("m")
+    assert repo.index() == [{"name": "m", "state": "UNAVAILABLE", "reason": "version 1 is broken"}]
+
+
+async def test_unloaded_model_whose_folder_is_gone_leaves_the_index(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1])
+    repo = ModelRepository(tmp_path, FakeLoader())
+    await repo.load("m")
+    await repo.unload("m")
+    (tmp_path / "m" / "config.toml").unlink()
+    with pytest.raises(NotFound):
+        await repo.load("m")
+    assert repo.index() == []
+
+
+async def test_name_with_dots_inside_is_a_model_name(tmp_path: Path) -> None:
+    make_model(tmp_path, "model..1", [1])
+    repo = ModelRepository(tmp_path, FakeLoader())
+    await repo.load("model..1")
+    assert repo.get("model..1")[0].name == "model..1"
+
+
+async def test_load_errors_name_files_relative_to_the_repository(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    make_model(root, "bad", [1], "surprise = 1\n")
+    make_model(root, "m", [1])
+    loader = FakeLoader()
+    loader.missing_file = True
+    repo = ModelRepository(root, loader)
+    with pytest.raises(ConfigError) as bad:
+        await repo.load("bad")
+    with pytest.raises(ConfigError) as missing:
+        await repo.load("m")
+    assert bad.value.message.startswith("bad/config.toml: ")
+    assert "m/1/model.onnx" in missing.value.message
+    for message in (bad.value.message, missing.value.message, *(r["reason"] for r in repo.index())):
+        assert str(tmp_path) not in message
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ({"platform": "nope"}, "key 'platform' = 'nope'"),
+        ({"max_batch_size": "x"}, "max_batch_size"),
+        ({"instances": {"count": 0}}, "instances.count"),
+        ({"instances": 2}, "instances"),
+        ({"version_policy": {"specific": [9]}}, "missing versions [9]"),
+    ],
+)
+async def test_bad_config_override_is_a_client_error(
+    tmp_path: Path, override: dict[str, object], fragment: str
+) -> None:
+    make_model(tmp_path, "m", [1])
+    repo = ModelRepository(tmp_path, FakeLoader())
+    await repo.load("m")
+    old = repo.get("m")[2]
+    with pytest.raises(InvalidInput) as info:
+        await repo.load("m", override)
+    assert info.value.message.startswith("config override: ")
+    assert fragment in info.value.message
+    assert repo.get("m")[2] is old
+
+
+async def test_override_the_backend_cannot_load_is_a_client_error(tmp_path: Path) -> None:
+    make_model(tmp_path, "m", [1])
+    loader = FakeLoader()
+    loader.missing_file = True
+    repo = ModelRepository(tmp_path, loader)
+    with pytest.raises(InvalidInput, match="config override: model 'm' failed to load"):
+        await repo.load("m", {"platform": "onnx"})
+    with pytest.raises(ConfigError):  # the same failure with no override: the repository's fault
+        await repo.load("m")
