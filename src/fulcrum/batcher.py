@@ -1,7 +1,8 @@
 """The dynamic batcher: queue requests, let the policy form batches, dispatch, split the outputs.
 
 The async shell around `fulcrum.policy`: one loop task per model, one task per batch; every
-future resolves exactly once (success, model error, queue timeout, cancellation, shutdown).
+future resolves exactly once (success, model error, queue timeout, cancellation, shutdown). A
+batch of several requests that fails is re-run in halves, so a failure stays with its request.
 """
 
 from __future__ import annotations
@@ -10,16 +11,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
-import numpy as np
-
+from fulcrum.collate import Collator
 from fulcrum.config import ModelConfig
-from fulcrum.errors import DeadlineExceeded, FulcrumError, InvalidInput, ModelError, Unavailable
+from fulcrum.errors import DeadlineExceeded, FulcrumError, ModelError, Unavailable
+from fulcrum.isolation import isolate, may_rerun, shared_error
 from fulcrum.policy import BatchPolicy, Pending, PendingQueue, TritonPolicy, compat_key
-from fulcrum.policy import dynamic_axes as find_dynamic_axes
-from fulcrum.types import Array, Clock, MonotonicClock, TensorMap
+from fulcrum.types import Clock, MonotonicClock, TensorMap
 
 _logger = logging.getLogger(__name__)
 
@@ -31,20 +31,25 @@ class InferResult:
     """One request's outputs (its own rows) and where its time went."""
 
     outputs: TensorMap
-    queue_s: float  # submit -> batch dispatch
-    compute_s: float  # the dispatch call of its batch
-    batch_size: int  # rows in its batch
+    queue_s: float  # submit -> dispatch of the batch that answered it
+    compute_s: float  # the dispatch call of that batch
+    batch_size: int  # rows in that batch
 
 
 @dataclass(frozen=True, slots=True)
 class BatchRecord:
-    """What one batch did; handed to `on_batch` (metrics, adaptive policies)."""
+    """What one batch did, its re-runs included; handed to `on_batch` (metrics, policies)."""
 
     batch_size: int
     num_requests: int
-    compute_s: float
+    compute_s: float  # the first dispatch
     queue_s: list[float]
-    failed: bool
+    failed: bool  # the first dispatch (or splitting its outputs) failed
+    num_retried_dispatches: int = 0  # extra dispatches made to isolate a failure
+    num_isolated_failures: int = 0  # requests that failed again when re-run apart
+    retry_compute_s: float = 0.0  # time those extra dispatches took
+    # (rows, compute_s) of each extra dispatch that succeeded: executions like any other
+    retried_batches: tuple[tuple[int, float], ...] = ()
 
 
 class _Request(Pending):
@@ -66,6 +71,44 @@ class _Request(Pending):
         self.submit_perf_s = time.perf_counter()
 
 
+@dataclass(slots=True)
+class _Tally:
+    """One batch's running account; becomes its BatchRecord."""
+
+    num_rows: int
+    num_requests: int
+    queue_s: list[float]
+    compute_s: float = 0.0
+    failed: bool = False
+    num_retried_dispatches: int = 0
+    num_isolated_failures: int = 0
+    retry_compute_s: float = 0.0
+    retried_batches: list[tuple[int, float]] = field(default_factory=list)
+    holds_slot: bool = True
+
+    def record(self) -> BatchRecord:
+        return BatchRecord(
+            self.num_rows,
+            self.num_requests,
+            self.compute_s,
+            self.queue_s,
+            self.failed,
+            self.num_retried_dispatches,
+            self.num_isolated_failures,
+            self.retry_compute_s,
+            tuple(self.retried_batches),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Ran:
+    """One dispatch's outputs and when it started (perf_counter seconds) and how long it took."""
+
+    outputs: TensorMap
+    start_s: float
+    compute_s: float
+
+
 class DynamicBatcher:
     """Batches one model's requests on axis 0 and runs at most `max_concurrent_batches` at once."""
 
@@ -78,6 +121,7 @@ class DynamicBatcher:
         clock: Clock | None = None,
         max_concurrent_batches: int | None = None,
         on_batch: Callable[[BatchRecord], None] | None = None,
+        isolate_failures: bool = True,
     ) -> None:
         self._config = config
         self._dispatch = dispatch
@@ -85,10 +129,10 @@ class DynamicBatcher:
         self._clock: Clock = clock or MonotonicClock()
         self._max_batches = max_concurrent_batches or config.instances.count
         self._on_batch = on_batch
+        self._isolate_failures = isolate_failures
         self._queue = PendingQueue(config)
         self._batched = config.max_batch_size > 0
-        self._dynamic_axes = find_dynamic_axes(config)
-        self._pad_values = {spec.name: spec.pad_value for spec in config.inputs}
+        self._collator = Collator(config)
         self._wakeup = asyncio.Event()
         self._drained = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -99,6 +143,7 @@ class DynamicBatcher:
         # busy, requests pile up without waking it (that is where batches grow).
         self._listening = False
         self._stopping = False
+        self._failed = False
 
     @property
     def queue_depth(self) -> int:
@@ -110,21 +155,29 @@ class DynamicBatcher:
         """Requests in batches being run."""
         return self._num_in_flight
 
+    @property
+    def is_healthy(self) -> bool:
+        """False once the loop ended other than by `stop()`: the model can serve nothing more."""
+        task = self._loop_task
+        return not self._failed and (task is None or not task.done() or self._stopping)
+
     def start(self) -> None:
         """Start the loop task on the running event loop."""
         if self._loop_task is None:
             name = f"batcher-{self._config.name}"
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=name)
+            self._loop_task.add_done_callback(self._on_loop_done)
 
     async def submit(
         self, inputs: TensorMap, *, priority: int | None = None, timeout_s: float | None = None
     ) -> InferResult:
         """Queue one request (axis 0 is its rows) and wait for its own rows of the outputs."""
         if self._stopping or self._loop_task is None:
-            state = "is shutting down" if self._stopping else "has no running batcher"
+            stopped = self._stopping and not self._failed
+            state = "is shutting down" if stopped else "has no running batcher"
             raise Unavailable(f"model {self._config.name!r} {state}")
-        num_rows = self._count_rows(inputs) if self._batched else 1
-        key = compat_key(inputs, self._dynamic_axes) if self._batched else None
+        num_rows = self._collator.count_rows(inputs) if self._batched else 1
+        key = compat_key(inputs, self._collator.dynamic_axes) if self._batched else None
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
         request = _Request(num_rows, key, self._clock.now(), inputs, future)
         self._queue.admit(request, priority=priority, timeout_s=timeout_s)
@@ -133,7 +186,8 @@ class DynamicBatcher:
         try:
             return await future
         except asyncio.CancelledError:
-            # Still queued: it never runs. Already running: its result is dropped.
+            # Still queued: it never runs. Already running: its result is dropped, and a
+            # failed batch does not re-run it.
             self._queue.cancel(request)
             raise
 
@@ -156,34 +210,22 @@ class DynamicBatcher:
             batch.cancel()
         await asyncio.gather(*batches, return_exceptions=True)
 
-    def _count_rows(self, inputs: TensorMap) -> int:
-        num_rows = -1
-        for name, array in inputs.items():
-            if array.ndim == 0:
-                raise InvalidInput(f"input {name!r} is a scalar; it needs a batch axis")
-            if num_rows < 0:
-                num_rows = array.shape[0]
-            elif array.shape[0] != num_rows:
-                raise InvalidInput(
-                    f"input {name!r} has {array.shape[0]} rows; other inputs have {num_rows}"
-                )
-        if num_rows < 1:
-            raise InvalidInput("request has no rows")
-        if num_rows > self._config.max_batch_size:
-            raise InvalidInput(
-                f"request has {num_rows} rows; model {self._config.name!r} takes at most "
-                f"{self._config.max_batch_size} (max_batch_size)"
-            )
-        return num_rows
-
     async def _run(self) -> None:
         try:
             await self._loop()
         except Exception as exc:
             # A bug in the policy must not strand callers: fail them all, refuse new ones.
             _logger.exception("batcher %s: loop failed", self._config.name)
-            self._stopping = True
-            self._fail_queued(Unavailable(f"model {self._config.name!r} batcher failed: {exc}"))
+            self._die(f"failed ({type(exc).__name__}; see the server log)")
+
+    def _on_loop_done(self, _: asyncio.Task[None]) -> None:
+        if not self._stopping:  # cancelled by someone other than stop(), maybe before it ran
+            _logger.error("batcher %s: loop ended unexpectedly", self._config.name)
+            self._die("ended unexpectedly")
+
+    def _die(self, reason: str) -> None:
+        self._failed = self._stopping = True
+        self._fail_queued(Unavailable(f"model {self._config.name!r} batcher {reason}"))
 
     async def _loop(self) -> None:
         queue = self._queue
@@ -230,82 +272,90 @@ class DynamicBatcher:
         task.add_done_callback(self._batch_tasks.discard)
 
     async def _run_batch(self, requests: list[_Request]) -> None:
-        num_rows = sum(r.num_rows for r in requests)
-        start_s = time.perf_counter()
-        queue_s = [start_s - r.submit_perf_s for r in requests]
-        compute_s = 0.0
-        failed = holds_slot = True
+        now_s = time.perf_counter()
+        tally = _Tally(
+            sum(r.num_rows for r in requests),
+            len(requests),
+            [now_s - r.submit_perf_s for r in requests],
+        )
         try:
-            batch = self._assemble(requests)
-            start_s = time.perf_counter()
-            queue_s = [start_s - r.submit_perf_s for r in requests]
             try:
-                outputs = await self._dispatch(batch)
-            finally:
-                compute_s = time.perf_counter() - start_s
-                holds_slot = self._free_slot()
-            # Two yields: the loop plans the next batch (1), its task dispatches it (2), and only
-            # then do this batch's callers wake up, so the model works while they run.
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-            self._resolve(requests, outputs, queue_s, compute_s, num_rows)
-            failed = False
+                ran = await self._execute(requests, tally, retry=False)
+            except Exception as exc:
+                tally.failed = True
+                await self._recover(requests, exc, tally)
+            else:
+                self._free_slot(tally)
+                # Two yields: the loop plans the next batch (1), its task dispatches it (2), and
+                # only then do this batch's callers wake up, so the model works while they run.
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                self._resolve(requests, ran)
         except asyncio.CancelledError:
             _fail(requests, Unavailable(f"model {self._config.name!r} stopped while running"))
             raise
-        except Exception as exc:
+        except Exception as exc:  # outputs that do not split by rows: the batch's, not a row's
+            tally.failed = True
             _fail(requests, _model_error(exc))
         finally:
-            if holds_slot:
-                self._free_slot()
+            self._free_slot(tally)
             self._num_in_flight -= len(requests)
             self._check_drained()
-            self._record(BatchRecord(num_rows, len(requests), compute_s, queue_s, failed))
+            self._record(tally.record())
 
-    def _free_slot(self) -> bool:
-        self._num_batches -= 1
-        self._wakeup.set()
-        return False
+    async def _execute(self, group: list[_Request], tally: _Tally, *, retry: bool) -> _Ran:
+        """Stack `group` into one batch and dispatch it; account for the time it took."""
+        batch = self._collator.stack([r.inputs for r in group])
+        start_s = time.perf_counter()
+        try:
+            outputs = await self._dispatch(batch)
+        finally:
+            compute_s = time.perf_counter() - start_s
+            if retry:
+                tally.num_retried_dispatches += 1
+                tally.retry_compute_s += compute_s
+            else:
+                tally.compute_s = compute_s
+                tally.queue_s = [start_s - r.submit_perf_s for r in group]
+        return _Ran(outputs, start_s, compute_s)
 
-    def _assemble(self, requests: list[_Request]) -> TensorMap:
-        if len(requests) == 1:
-            return requests[0].inputs
-        return {
-            name: self._concat(name, [r.inputs[name] for r in requests])
-            for name in requests[0].inputs
-        }
+    async def _recover(self, requests: list[_Request], error: Exception, tally: _Tally) -> None:
+        """A batch failed: re-run its requests apart, on its own slot, or fail them all."""
+        if len(requests) > 1 and self._isolate_failures and may_rerun(error):
+            await isolate(
+                requests,
+                run=lambda group: self._rerun(group, tally),
+                fail=lambda group, exc: self._fail_isolated(group, exc, tally),
+                is_live=lambda request: not request.future.done(),
+            )
+        elif len(requests) > 1 and may_rerun(error):
+            _fail(requests, shared_error(self._config.name, error, len(requests)))
+        else:
+            _fail(requests, _model_error(error))
 
-    def _concat(self, name: str, arrays: list[Array]) -> Array:
-        if name in self._dynamic_axes:
-            row_shapes = {a.shape[1:] for a in arrays}
-            if len(row_shapes) > 1:
-                return _pad_concat(arrays, self._pad_values.get(name, 0.0))
-        return np.concatenate(arrays, axis=0)
+    async def _rerun(self, group: list[_Request], tally: _Tally) -> None:
+        ran = await self._execute(group, tally, retry=True)
+        self._resolve(group, ran)
+        tally.retried_batches.append((sum(r.num_rows for r in group), ran.compute_s))
 
-    def _resolve(
-        self,
-        requests: list[_Request],
-        outputs: TensorMap,
-        queue_s: list[float],
-        compute_s: float,
-        num_rows: int,
-    ) -> None:
-        if len(requests) == 1:
-            request = requests[0]
+    def _fail_isolated(self, group: list[_Request], error: Exception, tally: _Tally) -> None:
+        tally.num_isolated_failures += len(group)
+        _fail(group, _model_error(error))
+
+    def _free_slot(self, tally: _Tally) -> None:
+        if tally.holds_slot:
+            tally.holds_slot = False
+            self._num_batches -= 1
+            self._wakeup.set()
+
+    def _resolve(self, requests: list[_Request], ran: _Ran) -> None:
+        row_counts = [r.num_rows for r in requests]
+        num_rows = sum(row_counts)
+        parts = self._collator.split(ran.outputs, row_counts)
+        for request, own in zip(requests, parts, strict=True):
             if not request.future.done():
-                request.future.set_result(InferResult(outputs, queue_s[0], compute_s, num_rows))
-            return
-        for name, array in outputs.items():
-            if array.ndim == 0 or array.shape[0] != num_rows:
-                rows = array.shape[0] if array.ndim else "no"
-                raise ModelError(f"output {name!r} has {rows} rows; the batch had {num_rows}")
-        start = 0
-        for request, waited_s in zip(requests, queue_s, strict=True):
-            end = start + request.num_rows
-            if not request.future.done():
-                own = {name: array[start:end] for name, array in outputs.items()}
-                request.future.set_result(InferResult(own, waited_s, compute_s, num_rows))
-            start = end
+                waited_s = ran.start_s - request.submit_perf_s
+                request.future.set_result(InferResult(own, waited_s, ran.compute_s, num_rows))
 
     def _reject(self, items: Sequence[Pending], now: float) -> None:
         for item in items:
@@ -344,16 +394,3 @@ def _model_error(exc: Exception) -> FulcrumError:
     error = ModelError(f"model failed: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
-
-
-def _pad_concat(arrays: list[Array], pad_value: float) -> Array:
-    """Concatenate on axis 0, padding every other axis to the batch's longest with `pad_value`."""
-    row_shape = tuple(max(sizes) for sizes in zip(*(a.shape[1:] for a in arrays), strict=True))
-    num_rows = sum(a.shape[0] for a in arrays)
-    out = np.full((num_rows, *row_shape), pad_value, dtype=arrays[0].dtype)
-    start = 0
-    for array in arrays:
-        end = start + array.shape[0]
-        out[(slice(start, end), *(slice(0, d) for d in array.shape[1:]))] = array
-        start = end
-    return out

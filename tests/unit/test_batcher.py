@@ -162,17 +162,18 @@ async def test_incompatible_shapes_never_share_a_batch() -> None:
     await batcher.stop()
 
 
-async def test_model_error_fails_only_its_batch_and_the_next_batch_succeeds() -> None:
+async def test_model_error_fails_only_its_request_and_the_next_batch_succeeds() -> None:
     batcher, model, blocker = await busy(make_config(2))
-    bad = [later(batcher, rows(v)) for v in (-1, 5)]
+    bad = later(batcher, rows(-1))
+    innocent = later(batcher, rows(5))  # batched with `bad`: re-run apart, answered alone
     good = [later(batcher, rows(v)) for v in (6, 7)]
     await until(lambda: batcher.queue_depth == 4)
     model.gate.set()
-    outcomes = await asyncio.gather(*bad, return_exceptions=True)
-    for outcome in outcomes:
-        assert isinstance(outcome, ModelError)
-        assert outcome.status_code == 500
-        assert isinstance(outcome.__cause__, RuntimeError)
+    with pytest.raises(ModelError) as info:
+        await bad
+    assert info.value.status_code == 500
+    assert isinstance(info.value.__cause__, RuntimeError)
+    np.testing.assert_array_equal((await innocent).outputs["y"], rows(10))
     results = await asyncio.gather(blocker, *good)
     np.testing.assert_array_equal(results[1].outputs["y"], rows(12))
     np.testing.assert_array_equal(results[2].outputs["y"], rows(14))
