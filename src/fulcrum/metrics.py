@@ -1,9 +1,11 @@
 """Prometheus metric definitions, one registry per service. Histograms (not summaries), so
-replicas aggregate. Series exist only for loaded models: junk names never create one."""
+replicas aggregate. Series exist only for loaded models: junk names never create one, and an
+unloaded version's series go with it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -14,6 +16,28 @@ LATENCY_BUCKETS_S = (
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 OUTCOMES = ("success", "invalid_input", "queue_full", "timeout", "model_error", "unavailable",
             "error")  # fmt: skip
+
+
+class GaugeSource(Protocol):
+    """What a loaded version reports on its gauges when `/metrics` is read."""
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def num_admitted(self) -> int: ...
+
+
+class _Series:
+    """One (model, version)'s shared state: how many leases hold it, and its gauge sources.
+
+    Sources are held weakly: the registry outlives every servable, so a strong reference from a
+    gauge callback would keep an unloaded model (and its weights) alive forever.
+    """
+
+    def __init__(self) -> None:
+        self.num_leases = 0
+        self.sources: weakref.WeakSet[GaugeSource] = weakref.WeakSet()
 
 
 class ServerMetrics:
@@ -40,32 +64,90 @@ class ServerMetrics:
                                labels, registry=r, multiprocess_mode="livesum")  # fmt: skip
         self.requests = Counter("fulcrum_requests", "Requests by outcome.",
                                 (*labels, "outcome"), registry=r)  # fmt: skip
+        self.retried_dispatches = Counter(
+            "fulcrum_isolation_dispatches",
+            "Extra batch dispatches run to find which requests of a failed batch fail alone.",
+            labels, registry=r)  # fmt: skip
+        self.retry_compute_s = Counter(
+            "fulcrum_isolation_compute_seconds",
+            "Model time spent on those extra dispatches.", labels, registry=r)  # fmt: skip
+        self._series: dict[tuple[str, str], _Series] = {}
 
     def for_model(self, model: str, version: int) -> ModelMetrics:
-        """Label children bound once per loaded version, so the hot path does no lookups."""
-        v = str(version)
-        return ModelMetrics(
-            request_s=self.request_s.labels(model, v),
-            queue_s=self.queue_s.labels(model, v),
-            compute_s=self.compute_s.labels(model, v),
-            batch_size=self.batch_size.labels(model, v),
-            queue_depth=self.queue_depth.labels(model, v),
-            in_flight=self.in_flight.labels(model, v),
-            outcomes={o: self.requests.labels(model, v, o) for o in OUTCOMES},
-        )
+        """A lease on one version's series (label children bound once, so the hot path does no
+        lookups). Every lease must be released; the series go when the last one is.
+
+        Leases count because a reload of the same version starts the new servable before the
+        old one stops: both hold the same series, and the old one's release must not drop them.
+        """
+        key = (model, str(version))
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series()
+            sources = series.sources  # the callbacks close over the weak set, not a servable
+            self.queue_depth.labels(*key).set_function(lambda: sum(s.queue_depth for s in sources))
+            self.in_flight.labels(*key).set_function(lambda: sum(s.num_admitted for s in sources))
+        series.num_leases += 1
+        return ModelMetrics(self, key, series)
+
+    @property
+    def num_versions(self) -> int:
+        """Versions that have series now."""
+        return len(self._series)
+
+    def _release(self, key: tuple[str, str]) -> None:
+        series = self._series.get(key)
+        if series is None:
+            return
+        series.num_leases -= 1
+        if series.num_leases > 0:
+            return
+        del self._series[key]
+        for family in (self.request_s, self.queue_s, self.compute_s, self.batch_size,
+                       self.queue_depth, self.in_flight, self.retried_dispatches,
+                       self.retry_compute_s):  # fmt: skip
+            family.remove(*key)
+        for outcome in OUTCOMES:
+            self.requests.remove(*key, outcome)
 
 
-@dataclass(frozen=True)
 class ModelMetrics:
-    """One model version's bound metric children."""
+    """One model version's bound metric children: a lease from `ServerMetrics.for_model`."""
 
-    request_s: Histogram
-    queue_s: Histogram
-    compute_s: Histogram
-    batch_size: Histogram
-    queue_depth: Gauge
-    in_flight: Gauge
-    outcomes: dict[str, Counter]
+    def __init__(self, server: ServerMetrics, key: tuple[str, str], series: _Series) -> None:
+        self._server = server
+        self._key = key
+        self._series = series
+        self._watched: list[weakref.ref[GaugeSource]] = []
+        self._released = False
+        model, version = key
+        self.request_s = server.request_s.labels(model, version)
+        self.queue_s = server.queue_s.labels(model, version)
+        self.compute_s = server.compute_s.labels(model, version)
+        self.batch_size = server.batch_size.labels(model, version)
+        self.queue_depth = server.queue_depth.labels(model, version)
+        self.in_flight = server.in_flight.labels(model, version)
+        self.outcomes = {o: server.requests.labels(model, version, o) for o in OUTCOMES}
+        self.retried_dispatches = server.retried_dispatches.labels(model, version)
+        self.retry_compute_s = server.retry_compute_s.labels(model, version)
+
+    def watch(self, source: GaugeSource) -> None:
+        """Report `source`'s queue depth and admitted requests on the gauges (held weakly)."""
+        self._series.sources.add(source)
+        self._watched.append(weakref.ref(source))
+
+    def release(self) -> None:
+        """Stop reporting this lease's sources; the last lease removes the version's series
+        from every family. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        for ref in self._watched:
+            source = ref()
+            if source is not None:
+                self._series.sources.discard(source)
+        self._watched.clear()
+        self._server._release(self._key)
 
 
 def outcome_of(status_code: int, error_name: str) -> str:
@@ -75,5 +157,6 @@ def outcome_of(status_code: int, error_name: str) -> str:
         "QueueFull": "queue_full",
         "DeadlineExceeded": "timeout",
         "ModelError": "model_error",
+        "ExecutionTimeout": "model_error",
         "Unavailable": "unavailable",
     }.get(error_name, "error" if status_code >= 500 else "invalid_input")

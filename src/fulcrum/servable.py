@@ -10,8 +10,8 @@ from fulcrum.backends import create_backend
 from fulcrum.batcher import BatchRecord, DynamicBatcher, InferResult
 from fulcrum.config import ModelConfig
 from fulcrum.errors import FulcrumError
-from fulcrum.metrics import ModelMetrics, outcome_of
 from fulcrum.instances import InstancePool
+from fulcrum.metrics import ModelMetrics, outcome_of
 from fulcrum.stats import ModelStats
 from fulcrum.types import TensorMap
 
@@ -30,14 +30,14 @@ class BatchServable:
         self.batcher = DynamicBatcher(config, pool.run, on_batch=self._on_batch)
         self._num_admitted = 0
         self._stopping = False
-        metrics.queue_depth.set_function(lambda: self.batcher.queue_depth)
-        metrics.in_flight.set_function(lambda: self._num_admitted)
+        metrics.watch(self)  # weakly: the registry outlives this version
 
     @classmethod
     async def load(
         cls, config: ModelConfig, version: int, version_dir: Path, metrics: ModelMetrics
     ) -> BatchServable:
-        """Create one backend per instance off the event loop, then start the batcher."""
+        """Create one backend per instance off the event loop, then start the batcher.
+        Takes ownership of `metrics`: a load that fails releases them."""
         backends = []
         try:
             for _ in range(config.instances.count):
@@ -45,15 +45,30 @@ class BatchServable:
         except BaseException:
             for backend in backends:
                 backend.close()
+            metrics.release()
             raise
-        servable = cls(config, version, InstancePool(backends, name=f"{config.name}/{version}"),
-                       metrics)  # fmt: skip
+        timeout_s = config.instances.execution_timeout_ms / 1000  # 0: no limit
+        pool = InstancePool(
+            backends, name=f"{config.name}/{version}", execution_timeout_s=timeout_s
+        )
+        servable = cls(config, version, pool, metrics)
         servable.batcher.start()
         return servable
 
     @property
     def is_ready(self) -> bool:
-        return not self._stopping
+        """Not stopping, the batcher loop alive, and at least one instance not hung."""
+        return not self._stopping and self.batcher.is_healthy and self.pool.is_healthy
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in the batcher's queue (a gauge)."""
+        return self.batcher.queue_depth
+
+    @property
+    def num_admitted(self) -> int:
+        """Requests admitted and not yet answered (a gauge)."""
+        return self._num_admitted
 
     async def infer(
         self, inputs: TensorMap, *, priority: int | None, timeout_s: float | None
@@ -64,13 +79,14 @@ class BatchServable:
         try:
             result = await self.batcher.submit(inputs, priority=priority, timeout_s=timeout_s)
         except FulcrumError as exc:
-            self.stats.record_request(False, time.perf_counter() - start)
+            self.stats.record_failure(time.perf_counter() - start)
             self.metrics.outcomes[outcome_of(exc.status_code, type(exc).__name__)].inc()
             raise
         finally:
             self._num_admitted -= 1
         total_s = time.perf_counter() - start
-        self.stats.record_request(True, total_s, result.queue_s)
+        num_rows = _num_rows(inputs) if self.config.max_batch_size > 0 else 1
+        self.stats.record_success(num_rows, total_s, result.queue_s, result.compute_s)
         m = self.metrics
         m.request_s.observe(total_s)
         m.queue_s.observe(result.queue_s)
@@ -79,8 +95,15 @@ class BatchServable:
         return result
 
     def _on_batch(self, record: BatchRecord) -> None:
-        self.stats.record_batch(record.batch_size, record.compute_s, record.num_requests)
+        if not record.failed:  # Triton counts successful executions only
+            self.stats.record_execution(record.batch_size, record.compute_s)
         self.metrics.batch_size.observe(record.batch_size)
+        for num_rows, compute_s in record.retried_batches:  # isolation re-runs that succeeded
+            self.stats.record_execution(num_rows, compute_s)
+            self.metrics.batch_size.observe(num_rows)
+        if record.num_retried_dispatches:
+            self.metrics.retried_dispatches.inc(record.num_retried_dispatches)
+            self.metrics.retry_compute_s.inc(record.retry_compute_s)
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, finish queued and in-flight ones, then release the instances."""
@@ -88,4 +111,13 @@ class BatchServable:
         try:
             await self.batcher.stop(drain_timeout_s)
         finally:
-            await asyncio.to_thread(self.pool.close)
+            try:
+                await asyncio.to_thread(self.pool.close)
+            finally:
+                self.metrics.release()  # an unloaded version leaves no series behind
+
+
+def _num_rows(inputs: TensorMap) -> int:
+    """A batched request's rows (Triton's "inferences"): axis 0, which the batcher checked."""
+    first = next(iter(inputs.values()), None)
+    return int(first.shape[0]) if first is not None and first.ndim else 1

@@ -7,6 +7,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 
+def to_ns(seconds: float) -> int:
+    """Seconds as whole nanoseconds; every duration in the statistics is rounded this one way,
+    so a sum of requests' own timings (each through `to_ns`) equals the reported total."""
+    return round(seconds * 1e9)
+
+
 @dataclass
 class Duration:
     """A count and a cumulative duration, as Triton reports them."""
@@ -14,9 +20,9 @@ class Duration:
     count: int = 0
     ns: int = 0
 
-    def add(self, seconds: float, count: int = 1) -> None:
-        self.count += count
-        self.ns += int(seconds * 1e9)
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.ns += to_ns(seconds)
 
     def to_json(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
@@ -24,7 +30,21 @@ class Duration:
 
 @dataclass
 class ModelStats:
-    """What `GET /v2/models/{m}/versions/{v}/stats` reports for one version."""
+    """What `GET /v2/models/{m}/versions/{v}/stats` reports for one version.
+
+    Follows the definitions of Triton's statistics extension (docs/protocol/
+    extension_statistics.md) and how Triton's core aggregates them (`InferenceStatsAggregator`):
+
+    - `inference_count`: "Each inference in a batched request is counted as an individual
+      inference": the rows of every successful request, not the requests.
+    - `execution_count`: "the number of successful inference executions": batches run, however
+      many requests each held.
+    - `inference_stats.success` / `fail`: one count and the request's whole duration per request.
+    - `inference_stats.queue` / `compute_infer`: per successful request, cumulative: each request
+      of a batch adds the time it waited and its batch's whole compute duration, so
+      `compute_infer.ns / compute_infer.count` is the compute a request sat through.
+    - `batch_stats`: per batch size, one count and that batch's compute duration per execution.
+    """
 
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
@@ -35,17 +55,28 @@ class ModelStats:
     last_inference_ms: int = 0
     batches: defaultdict[int, Duration] = field(default_factory=lambda: defaultdict(Duration))
 
-    def record_request(self, ok: bool, total_s: float, queue_s: float = 0.0) -> None:
-        (self.success if ok else self.fail).add(total_s)
-        if ok:
-            self.queue.add(queue_s)
-            self.inference_count += 1
-        self.last_inference_ms = int(time.time() * 1000)  # wall clock: a timestamp, not timing
+    def record_success(
+        self, num_rows: int, total_s: float, queue_s: float, compute_s: float
+    ) -> None:
+        """One request answered: `compute_s` is the run time of the batch that held it."""
+        self.success.add(total_s)
+        self.queue.add(queue_s)
+        self.compute_infer.add(compute_s)
+        self.inference_count += num_rows
+        self._touch()
 
-    def record_batch(self, batch_size: int, compute_s: float, num_requests: int) -> None:
+    def record_failure(self, total_s: float) -> None:
+        """One request that got an error (Triton records only its count and duration)."""
+        self.fail.add(total_s)
+        self._touch()
+
+    def record_execution(self, batch_size: int, compute_s: float) -> None:
+        """One batch that ran successfully; `batch_size` is its number of rows."""
         self.execution_count += 1
-        self.compute_infer.add(compute_s, num_requests)
         self.batches[batch_size].add(compute_s)
+
+    def _touch(self) -> None:
+        self.last_inference_ms = int(time.time() * 1000)  # wall clock: a timestamp, not timing
 
     def to_json(self, name: str, version: int) -> dict[str, object]:
         zero = Duration().to_json()

@@ -34,6 +34,7 @@ from fulcrum.protocol import (
     validate_inputs,
     validate_requested_outputs,
 )
+from fulcrum.protocol.validation import validate_content
 from fulcrum.types import Array
 
 NUMERIC = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
@@ -332,15 +333,79 @@ def ok_inputs(num_rows: int = 2) -> dict[str, Array]:
     }
 
 
-def test_valid_batched_inputs_pass() -> None:
-    validate_inputs(batched_config(), ok_inputs(1))
-    validate_inputs(batched_config(), ok_inputs(4))
-    validate_inputs(batched_config(), {**ok_inputs(2), "mask": np.ones((2, 7), np.int64)})
+def test_valid_batched_inputs_pass_unchanged() -> None:
+    for inputs in (ok_inputs(1), ok_inputs(4), {**ok_inputs(2), "mask": np.ones((2, 7), np.int64)}):
+        got = validate_inputs(batched_config(), inputs)
+        assert sorted(got) == sorted(inputs)
+        assert all(got[name] is inputs[name] for name in inputs)  # already canonical: no copy
 
 
-def test_scalar_rows_are_accepted_for_a_single_element_row_shape() -> None:
+def test_scalar_rows_are_reshaped_to_the_configs_row_shape() -> None:
     inputs = {**ok_inputs(3), "text": np.array([b"a", b"b", b"c"], dtype=object)}
-    validate_inputs(batched_config(), inputs)
+    got = validate_inputs(batched_config(), inputs)
+    assert got["text"].shape == (3, 1)  # as if sent as [3, 1]: same compat key, concatenates
+    assert got["text"][:, 0].tolist() == [b"a", b"b", b"c"]
+    assert inputs["text"].shape == (3,)  # the caller's map is left alone
+    nested = batched_config(
+        inputs=(TensorSpec(name="x", datatype="FP32", shape=(1, 1)),), outputs=()
+    )
+    assert validate_inputs(nested, {"x": np.zeros(2, np.float32)})["x"].shape == (2, 1, 1)
+
+
+def test_a_row_without_its_axis_is_not_guessed_for_a_dynamic_dim() -> None:
+    config = batched_config(inputs=(TensorSpec(name="ids", datatype="INT64", shape=(-1,)),))
+    with pytest.raises(InvalidInput, match=r"'ids': shape \[3\], expected \['rows', -1\]"):
+        validate_inputs(config, {"ids": np.zeros(3, np.int64)})
+
+
+def test_optional_inputs_left_out_stay_out() -> None:
+    assert "mask" not in validate_inputs(batched_config(), ok_inputs(2))
+
+
+def test_text_sent_to_a_tensor_input_is_refused_clearly() -> None:
+    inputs = {**ok_inputs(2), "ids": np.array([b"1 2", b"3"], dtype=object)}
+    with pytest.raises(InvalidInput, match=r"'ids': got text \(BYTES\).*tensor of INT64"):
+        validate_inputs(batched_config(), inputs)
+
+
+def tokenized_config() -> ModelConfig:
+    return batched_config(
+        inputs=(TensorSpec(name="text", datatype="BYTES", shape=(1,)),),
+        tokenizer=Tokenizer(input="text"),
+    )
+
+
+def text_rows(*rows: object) -> Array:
+    arr = np.empty(len(rows), dtype=object)
+    arr[:] = rows
+    return arr
+
+
+def test_tokenized_text_must_be_utf8_and_the_error_names_its_row() -> None:
+    config = tokenized_config()
+    validate_inputs(config, {"text": text_rows(b"caf\xc3\xa9", "tea", b"")})
+    with pytest.raises(InvalidInput, match=r"input 'text' row 2: not valid UTF-8"):
+        validate_inputs(config, {"text": text_rows(b"ok", b"fine", b"\xff\xfe bad")})
+    with pytest.raises(InvalidInput, match=r"input 'text' row 1: not valid UTF-8"):  # [N, 1] too
+        validate_inputs(config, {"text": text_rows(b"ok", b"caf\xc3").reshape(2, 1)})
+
+
+def test_untokenized_bytes_are_not_checked_as_text() -> None:
+    config = batched_config(inputs=(TensorSpec(name="blob", datatype="BYTES", shape=(1,)),))
+    got = validate_inputs(config, {"blob": text_rows(b"\xff\x00", b"\x89PNG")})
+    assert got["blob"].shape == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("texts", "match"),
+    [
+        (text_rows(b"a", 3), "row 1: expected text, got int"),
+        (text_rows(b"a", b"b", b"c", b"d").reshape(2, 2), r"shape \[N\] or \[N, 1\]"),
+    ],
+)
+def test_validate_content_refuses_what_the_tokenizer_cannot_take(texts: Array, match: str) -> None:
+    with pytest.raises(InvalidInput, match=match):
+        validate_content(tokenized_config(), {"text": texts})
 
 
 def test_unbatched_model_checks_the_full_shape() -> None:
@@ -445,7 +510,9 @@ def test_model_config_json_uses_triton_keys() -> None:
         "allow_timeout_override": True,
     }
     assert batching["priority_queue_policy"]["1"]["timeout_action"] == "DELAY"
-    assert got["instance_group"] == [{"count": 2, "kind": "KIND_AUTO"}]
+    assert got["instance_group"] == [
+        {"count": 2, "execution_timeout_microseconds": 60_000_000, "kind": "KIND_AUTO"}
+    ]
     assert got["version_policy"] == {"specific": {"versions": [1, 3]}}
     assert got["parameters"] == {
         "threads": {"string_value": "2"},

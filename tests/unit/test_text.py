@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fulcrum.backends.text import TextFrontEnd
+from fulcrum.backends.text import MAX_BYTES_PER_TOKEN, TextFrontEnd, cut_text
 from fulcrum.config import Tokenizer
 from fulcrum.errors import ConfigError, InvalidInput
 from fulcrum.examples import minilm_source_dir
@@ -89,3 +89,61 @@ def test_malformed_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot load tokenizer"):
         TextFrontEnd(Tokenizer(), tmp_path)
+
+
+# --- the bounded prefix ------------------------------------------------------------------------
+
+
+class RecordingTokenizer:
+    """Passes calls to the real tokenizer and keeps the rows it was asked to encode."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.rows: list[str] = []
+
+    def encode_batch(self, rows: list[str]) -> object:
+        self.rows.extend(rows)
+        return self.inner.encode_batch(rows)  # type: ignore[attr-defined]
+
+
+def test_cut_text_keeps_whole_words_and_whole_characters() -> None:
+    assert cut_text(b"short", 10) == b"short"
+    assert cut_text(b"one two three four", 10) == b"one two"  # the cut falls inside "three"
+    assert cut_text("one two three four", 10) == "one two"
+    assert cut_text(b"abcdefghijklmnop", 10) == b"abcdefghij"  # no space: cut at the limit
+    text = "é" * 20  # 2 bytes each: a cut at byte 11 would split a character
+    assert cut_text(text.encode(), 11) == ("é" * 5).encode()
+    assert cut_text(("日本語" * 10).encode(), 10).decode() == "日本語"  # 9 of 10 bytes
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        " ".join(f"word{i} and more words, with punctuation." for i in range(400)),
+        "日本語のテキストと中文文本" * 300,  # no spaces: a character-boundary cut
+        "https://example.com/a/very/long/path?" * 200,  # URL-like, few spaces
+    ],
+)
+def test_a_long_text_gives_the_same_ids_as_tokenizing_it_whole(
+    front: TextFrontEnd, text: str
+) -> None:
+    assert len(text.encode()) > front.max_row_bytes  # so it is cut
+    whole = front.tokenizer.encode(text)  # no cut: the tokenizer truncates by itself
+    for row in (text, text.encode()):
+        out = front.encode(texts(row))
+        assert out["input_ids"][0].tolist() == whole.ids
+        assert out["attention_mask"][0].tolist() == whole.attention_mask
+
+
+def test_a_huge_text_is_tokenized_from_a_bounded_prefix(version_dir: Path) -> None:
+    fresh = TextFrontEnd(Tokenizer(max_length=16), version_dir)
+    recorder = RecordingTokenizer(fresh.tokenizer)
+    fresh.tokenizer = recorder  # type: ignore[assignment]
+    huge = ("lorem ipsum dolor sit amet " * 160_000).encode()  # ~4.3 MB
+    out = fresh.encode(texts(huge, b"short"))
+    assert fresh.max_row_bytes == 16 * MAX_BYTES_PER_TOKEN
+    assert len(recorder.rows[0].encode()) <= fresh.max_row_bytes
+    assert len(recorder.rows[0]) > fresh.max_row_bytes // 2  # cut at a word, not far back
+    assert recorder.rows[1] == "short"
+    assert out["input_ids"].shape == (2, 16)
+    assert out["input_ids"][0, 0] == CLS and out["input_ids"][0, -1] == SEP
