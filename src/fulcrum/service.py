@@ -1,16 +1,24 @@
-"""The one facade the server calls: repository, batched models, LLM engines, metrics, health."""
+"""The one facade every request passes through, both APIs: KServe v2 inference, embeddings, LLM
+generation, management, statistics and health. Each call carries the `RequestContext` built at
+the edge; the router and result-cache hooks sit here, so both APIs get them."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulcrum import __version__
 from fulcrum.batcher import InferResult
+from fulcrum.cache import ResultCache
 from fulcrum.config import ModelConfig
+from fulcrum.context import RequestContext
+from fulcrum.embeddings import TokenCounter, embedding_spec, text_tensor, vectors
 from fulcrum.errors import InvalidInput, NotFound, Unavailable
 from fulcrum.metrics import ServerMetrics
 from fulcrum.protocol import (
@@ -21,10 +29,17 @@ from fulcrum.protocol import (
     validate_requested_outputs,
 )
 from fulcrum.repository import ModelRepository, Servable
+from fulcrum.router import DirectRouter, Route, Router
 from fulcrum.servable import BatchServable
+from fulcrum.service_llm import LLMCall, LLMServable, generate, prepare_chat, prepare_prompt
+from fulcrum.types import TensorMap
 
 if TYPE_CHECKING:
-    from fulcrum.llm.engine import AsyncLLMEngine
+    from collections.abc import AsyncIterator
+
+    from fulcrum.llm.outputs import RequestOutput
+    from fulcrum.llm.sampling_params import SamplingParams
+    from fulcrum.types import Array
 
 log = logging.getLogger(__name__)
 
@@ -37,31 +52,40 @@ class ServiceSettings:
     """Server-wide limits and policies."""
 
     max_body_bytes: int = 64 * 1024 * 1024
+    max_prompt_bytes: int = 1024 * 1024  # an LLM prompt (or chat messages), before tokenising
     drain_timeout_s: float = 30.0
     load_models: tuple[str, ...] | None = None  # None: every model in the repository
+    freeze_gc_after_start: bool = False  # a server process (the CLI) sets it; tests do not
 
 
-class LLMServable:
-    """Adapts an `AsyncLLMEngine` to the repository's `Servable`."""
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """The vectors of an embeddings request, the version that made them, and tokens counted."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
-        self.engine = engine
-
-    @property
-    def is_ready(self) -> bool:
-        return bool(self.engine.is_healthy)
-
-    async def stop(self) -> None:
-        await self.engine.stop()
+    matrix: Array  # (texts, dim) float32
+    version: int
+    prompt_tokens: int
 
 
 class Service:
     """Everything the HTTP layer needs, behind plain async methods."""
 
-    def __init__(self, root: Path, settings: ServiceSettings | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        settings: ServiceSettings | None = None,
+        *,
+        router: Router | None = None,
+        cache: ResultCache | None = None,
+    ) -> None:
         self.settings = settings or ServiceSettings()
         self.metrics = ServerMetrics()
-        self.repository = ModelRepository(root, self._load_version)
+        self.router: Router = router or DirectRouter()
+        self.cache = cache
+        self._repository = ModelRepository(root, self._load_version)
+        self._token_counters: weakref.WeakKeyDictionary[BatchServable, TokenCounter] = (
+            weakref.WeakKeyDictionary()
+        )
         self._started = False
         self._stopping = False
 
@@ -69,24 +93,39 @@ class Service:
     def from_repository(cls, root: Path, settings: ServiceSettings | None = None) -> Service:
         return cls(Path(root), settings)
 
+    # --- lifecycle and health ------------------------------------------------------------
+
     async def start(self) -> None:
         """Load the repository's models; a model that fails is logged and stays unavailable."""
         names = self.settings.load_models
         if names is None:
-            await self.repository.load_all()
+            await self._repository.load_all()
         else:
             for name in names:
-                await self.repository.load(name)
+                await self._repository.load(name)
+        if self.settings.freeze_gc_after_start:
+            # What start-up loaded lives as long as the server: out of the collector's sight, so
+            # a full collection later (it holds the GIL: the loop waits) walks only newer objects.
+            gc.freeze()
         self._started = True
 
     async def stop(self) -> None:
         """Turn readiness off, drain every model, release everything."""
         self._stopping = True
-        await self.repository.close()
+        await self._repository.close()
 
     def begin_shutdown(self) -> None:
         """Readiness off at once (SIGTERM); the drain follows."""
         self._stopping = True
+
+    async def drain(self) -> None:
+        """Stop every model, bounded by the drain timeout: past it, the stop is abandoned rather
+        than awaited (wait_for would wait for a backend stuck in its call), and the exit goes on."""
+        stopping = asyncio.ensure_future(self.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=self.settings.drain_timeout_s)
+        if not done:
+            log.warning("drain timed out after %.0f s", self.settings.drain_timeout_s)
+            stopping.cancel()
 
     @property
     def is_live(self) -> bool:
@@ -97,19 +136,19 @@ class Service:
         return (
             self._started
             and not self._stopping
-            and all(s.is_ready for _, _, s in self.repository.loaded())
+            and all(s.is_ready for _, _, s in self._repository.loaded())
         )
 
-    def server_metadata(self) -> dict[str, object]:
-        return {"name": "fulcrum", "version": __version__, "extensions": list(EXTENSIONS)}
+    def model_ready(self, ctx: RequestContext, name: str, version: int | None) -> bool:
+        try:
+            _, _, servable = self._repository.get(name, version)
+        except NotFound:
+            return False
+        return not self._stopping and servable.is_ready
 
     async def _load_version(self, config: ModelConfig, version: int, version_dir: Path) -> Servable:
         if config.platform == "llm":
-            from fulcrum.llm.engine import AsyncLLMEngine
-
-            engine = AsyncLLMEngine.from_config(config, version_dir, registry=self.metrics.registry)
-            await engine.start()
-            return LLMServable(engine)
+            return await LLMServable.load(config, version, version_dir, self.metrics.registry)
         metrics = self.metrics.for_model(config.name, version)
         return await BatchServable.load(config, version, version_dir, metrics)
 
@@ -117,68 +156,214 @@ class Service:
         if self._stopping:
             raise Unavailable("server is shutting down")
 
-    def _batch_model(self, name: str, version: int | None) -> BatchServable:
-        _, _, servable = self.repository.get(name, version)
+    # --- batch models: KServe v2 and embeddings ------------------------------------------
+
+    def _batch_model(self, route: Route) -> BatchServable:
+        _, _, servable = self._repository.get(route.model, route.version)
         if not isinstance(servable, BatchServable):
-            raise InvalidInput(f"model '{name}' is a generative model: use /v1/completions")
+            raise InvalidInput(
+                f"model '{route.model}' is a generative model: use /v1/completions or "
+                "/v1/chat/completions"
+            )
         return servable
 
     async def infer(
-        self, name: str, version: int | None, request: InferRequest
+        self, ctx: RequestContext, name: str, version: int | None, request: InferRequest
     ) -> tuple[int, InferResult]:
         """Validate and run one request; returns the version that served it and its result."""
         self._check_open()
-        servable = self._batch_model(name, version)
-        validate_inputs(servable.config, request.inputs)
+        route = self.router.route(ctx, name, version)
+        servable = self._batch_model(route)
         validate_requested_outputs(servable.config, request.outputs)
-        result = await servable.infer(
-            request.inputs, priority=request.priority, timeout_s=request.timeout_s
-        )
+        result = await self._run(ctx, route, servable, request.inputs, request)
         return servable.version, result
 
-    def model_metadata(self, name: str, version: int | None) -> dict[str, object]:
-        config, _, _ = self.repository.get(name, version)
-        entry_versions = [v for c, v, _ in self.repository.loaded() if c.name == name]
+    async def _run(
+        self,
+        ctx: RequestContext,
+        route: Route,
+        servable: BatchServable,
+        inputs: TensorMap,
+        request: InferRequest | None = None,
+    ) -> InferResult:
+        inputs = validate_inputs(servable.config, inputs)
+        own_timeout_s = request.timeout_s if request is not None else None
+        timeout_s = ctx.timeout_s(own_timeout_s, time.monotonic())
+        if self.cache is not None:
+            hit = await self.cache.get(ctx, route, servable.version, inputs)
+            if hit is not None:
+                return hit
+        priority = request.priority if request is not None else None
+        result = await servable.infer(
+            inputs,
+            priority=ctx.priority if priority is None else priority,
+            timeout_s=timeout_s,
+        )
+        if self.cache is not None:
+            await self.cache.put(ctx, route, servable.version, inputs, result)
+        return result
+
+    async def embed(
+        self, ctx: RequestContext, name: str, texts: list[str], *, dimensions: int | None = None
+    ) -> Embeddings:
+        """Embed `texts` with a batch model that takes text: chunks of max_batch_size rows go
+        through the model's batcher like any v2 request; usage counts the model's tokens."""
+        self._check_open()
+        route = self.router.route(ctx, name, None)
+        servable = self._batch_model(route)
+        spec = embedding_spec(servable.config)
+        batched = servable.config.max_batch_size > 0
+        size = servable.config.max_batch_size if batched else 1
+        chunks = [texts[i : i + size] for i in range(0, len(texts), size)]
+        runs = [
+            self._run(
+                ctx, route, servable, {spec.text_input: text_tensor(spec, c, batched=batched)}
+            )
+            for c in chunks
+        ]
+        results = await _gather_or_cancel(runs)
+        outputs = [_one_output(r.outputs, spec.output, servable.config.name) for r in results]
+        matrix = vectors(_concat(outputs), num_texts=len(texts), dimensions=dimensions)
+        counter = self._token_counter(servable)
+        prompt_tokens = await asyncio.to_thread(counter.count, texts)
+        return Embeddings(matrix, servable.version, prompt_tokens)
+
+    def _token_counter(self, servable: BatchServable) -> TokenCounter:
+        counter = self._token_counters.get(servable)
+        if counter is None:
+            version_dir = self._repository.root / servable.config.name / str(servable.version)
+            counter = self._token_counters[servable] = TokenCounter(servable.config, version_dir)
+        return counter
+
+    # --- generative models: OpenAI completions and chat ----------------------------------
+
+    def _llm(self, ctx: RequestContext, name: str) -> tuple[int, LLMServable]:
+        self._check_open()
+        route = self.router.route(ctx, name, None)
+        _, version, servable = self._repository.get(route.model, route.version)
+        if not isinstance(servable, LLMServable):
+            raise NotFound(f"model '{name}' is not a generative model")
+        return version, servable
+
+    async def prepare_prompt(
+        self, ctx: RequestContext, name: str, prompt: str | list[int]
+    ) -> LLMCall:
+        """Tokenise a completion prompt (bounded in bytes first, large ones off the loop)."""
+        version, servable = self._llm(ctx, name)
+        return await prepare_prompt(servable, name, version, prompt, self.settings.max_prompt_bytes)
+
+    async def prepare_chat(
+        self, ctx: RequestContext, name: str, messages: list[dict[str, str]]
+    ) -> LLMCall:
+        """Render and tokenise chat messages with the model's template (no BOS added twice)."""
+        version, servable = self._llm(ctx, name)
+        return await prepare_chat(servable, name, version, messages, self.settings.max_prompt_bytes)
+
+    def generate(
+        self,
+        ctx: RequestContext,
+        call: LLMCall,
+        sampling: SamplingParams,
+        *,
+        request_id: str,
+        priority: int | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Admit a prepared prompt now (errors raise here) and stream its outputs; closing the
+        stream aborts the request; the context's deadline, when set, bounds the whole stream."""
+        self._check_open()
+        chosen = ctx.priority if priority is None else priority
+        return generate(ctx, call, sampling, request_id=request_id, priority=chosen or 0,
+                        cache_salt=cache_salt)  # fmt: skip
+
+    def generative_models(self) -> list[dict[str, Any]]:
+        """Model cards of the generative and embedding models, for /v1/models."""
+        cards: list[dict[str, Any]] = []
+        for config, _, servable in self._repository.loaded():
+            if any(card["id"] == config.name for card in cards):
+                continue
+            card: dict[str, Any] = {"id": config.name, "object": "model", "created": 0,
+                                    "owned_by": "fulcrum"}  # fmt: skip
+            if isinstance(servable, LLMServable):
+                card["max_model_len"] = servable.engine.max_model_len
+            elif not _serves_embeddings(config):
+                continue
+            cards.append(card)
+        return cards
+
+    # --- metadata, statistics, management ------------------------------------------------
+
+    def server_metadata(self) -> dict[str, object]:
+        return {"name": "fulcrum", "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_metadata(
+        self, ctx: RequestContext, name: str, version: int | None
+    ) -> dict[str, object]:
+        config, _, _ = self._repository.get(name, version)
+        entry_versions = [v for c, v, _ in self._repository.loaded() if c.name == name]
         return model_metadata(config, entry_versions if version is None else [version])
 
-    def model_config(self, name: str) -> dict[str, object]:
-        config, _, _ = self.repository.get(name)
+    def model_config(self, ctx: RequestContext, name: str) -> dict[str, object]:
+        config, _, _ = self._repository.get(name)
         return model_config_json(config)
 
-    def model_ready(self, name: str, version: int | None) -> bool:
-        try:
-            _, _, servable = self.repository.get(name, version)
-        except NotFound:
-            return False
-        return not self._stopping and servable.is_ready
-
-    def statistics(self, name: str | None, version: int | None) -> dict[str, Any]:
+    def statistics(
+        self, ctx: RequestContext, name: str | None, version: int | None
+    ) -> dict[str, Any]:
         """Triton's statistics response for one model, one version, or every model."""
         rows = [
             s.stats.to_json(c.name, v)
-            for c, v, s in self.repository.loaded()
+            for c, v, s in self._repository.loaded()
             if isinstance(s, BatchServable)
             and (name is None or c.name == name)
             and (version is None or v == version)
         ]
         if name is not None and not rows:
-            self.repository.get(name, version)  # raises NotFound with the right message
+            self._repository.get(name, version)  # raises NotFound with the right message
         return {"model_stats": rows}
 
-    def llm_engine(self, name: str) -> AsyncLLMEngine:
-        """The engine serving a generative model (for the OpenAI routes)."""
+    def repository_index(self, ctx: RequestContext, *, ready_only: bool) -> list[dict[str, str]]:
+        rows = self._repository.index()
+        return [r for r in rows if r["state"] == "READY"] if ready_only else rows
+
+    async def load(
+        self, ctx: RequestContext, name: str, config_override: dict[str, object] | None = None
+    ) -> None:
+        """Load or reload a model (Triton's repository load)."""
         self._check_open()
-        _, _, servable = self.repository.get(name)
-        if not isinstance(servable, LLMServable):
-            raise NotFound(f"model '{name}' is not a generative model")
-        return servable.engine
+        await self._repository.load(name, config_override)
 
-    def llm_model_names(self) -> list[str]:
-        return [c.name for c, _, s in self.repository.loaded() if isinstance(s, LLMServable)]
+    async def unload(self, ctx: RequestContext, name: str) -> None:
+        await self._repository.unload(name)
 
-    async def drain(self) -> None:
-        """Stop every model, bounded by the drain timeout."""
-        try:
-            await asyncio.wait_for(self.stop(), self.settings.drain_timeout_s)
-        except TimeoutError:
-            log.warning("drain timed out after %.0f s", self.settings.drain_timeout_s)
+
+def _serves_embeddings(config: ModelConfig) -> bool:
+    try:
+        embedding_spec(config)
+    except InvalidInput:
+        return False
+    return True
+
+
+def _one_output(outputs: TensorMap, name: str | None, model: str) -> Array:
+    if name is not None:
+        return outputs[name]
+    if len(outputs) != 1:
+        raise InvalidInput(f"model {model!r} cannot serve embeddings: it returns several outputs")
+    return next(iter(outputs.values()))
+
+
+def _concat(arrays: list[Array]) -> Array:
+    import numpy as np
+
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+
+
+async def _gather_or_cancel(coros: list[Any]) -> list[InferResult]:
+    """Run concurrently; on the first failure cancel the rest (their rows are not needed)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()

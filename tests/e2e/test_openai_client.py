@@ -3,65 +3,49 @@ serving the tiny Llama through the OpenAI routes: JSON, streaming, errors, disco
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
-from prometheus_client import CollectorRegistry
-from starlette.applications import Starlette
 
-from fulcrum.config import ModelConfig
-from fulcrum.errors import NotFound
 from fulcrum.llm.engine import AsyncLLMEngine
 from fulcrum.llm.examples import build_tiny_llama
-from fulcrum.server.openai import openai_routes
+from fulcrum.server.app import create_app
+from fulcrum.service import Service
+from fulcrum.service_llm import LLMServable
 
 pytestmark = pytest.mark.e2e
 
 
-class Service:
-    def __init__(self, engine: AsyncLLMEngine) -> None:
-        self.engine = engine
-
-    def llm_engine(self, name: str) -> AsyncLLMEngine:
-        if name != self.engine.model_name:
-            raise NotFound(f"model '{name}' is not a generative model")
-        return self.engine
-
-    def llm_model_names(self) -> list[str]:
-        return [self.engine.model_name]
-
-
 class Server:
-    def __init__(self, url: str, engine: AsyncLLMEngine, registry: CollectorRegistry) -> None:
+    def __init__(self, url: str, service: Service) -> None:
         self.url = url
-        self.engine = engine
-        self.registry = registry
+        self.service = service
+        self.registry = service.metrics.registry
+
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        servable = self.service._repository.get("tiny-llama")[2]
+        assert isinstance(servable, LLMServable)
+        return servable.engine
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     directory: Path = tmp_path_factory.mktemp("models")
     name = build_tiny_llama(directory)
-    config = ModelConfig(name=name, platform="llm", parameters={"num_kv_blocks": 128})
-    registry = CollectorRegistry()
-    engine = AsyncLLMEngine.from_config(config, directory / name / "1", registry=registry)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await engine.start()
-        yield
-        await engine.stop(timeout_s=5.0)
-
-    app = Starlette(routes=openai_routes(Service(engine)), lifespan=lifespan)
+    config = directory / name / "config.toml"
+    config.write_text(config.read_text() + "num_kv_blocks = 128\n")
+    service = Service.from_repository(directory)
+    app = create_app(service)
     # Bound before the thread starts: clients may connect at once (the backlog holds them).
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -69,8 +53,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:  # the lifespan loads the model before uvicorn listens
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
     try:
-        yield Server(f"http://127.0.0.1:{port}", engine, registry)
+        yield Server(f"http://127.0.0.1:{port}", service)
     finally:
         uv.should_exit = True
         thread.join(timeout=30)
@@ -96,6 +84,24 @@ def test_real_fulcrum_serve_with_the_example_llms(server_url: str) -> None:
                 temperature=0, stream=True,
             ))  # fmt: skip
             assert chunks and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_embeddings_equal_the_v2_answer(server_url: str) -> None:
+    """The official client's embeddings.create (it asks for base64 by default) against minilm."""
+    texts = ["hello world", "the server answers both APIs"]
+    with openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0) as c:
+        created = c.embeddings.create(model="minilm", input=texts)
+        floats = c.embeddings.create(model="minilm", input=texts, encoding_format="float")
+    v2 = httpx.post(
+        f"{server_url}/v2/models/minilm/infer",
+        json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": texts}]},
+        timeout=30,
+    ).json()
+    expected = np.array(v2["outputs"][0]["data"], np.float32).reshape(2, -1)
+    for answer in (created, floats):
+        got = np.array([d.embedding for d in answer.data], np.float32)
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+    assert created.usage.prompt_tokens == floats.usage.prompt_tokens > 0
 
 
 def test_models_and_completion(client: openai.OpenAI) -> None:
@@ -154,7 +160,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
     }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=request, timeout=30) as r:
         next(r.iter_lines())  # the stream is running; now the client goes away
-    labels = {"model": "tiny-llama", "finished_reason": "abort"}
+    labels = {"model": "tiny-llama", "version": "1", "finished_reason": "abort"}
     deadline = time.monotonic() + 20
     while server.registry.get_sample_value("fulcrum_llm_request_success_total", labels) != 1.0:
         assert time.monotonic() < deadline, "the request was not aborted"

@@ -9,49 +9,47 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
 
-from fulcrum.errors import NotFound
-from fulcrum.llm.engine import AsyncLLMEngine, LLMEngine
+from fulcrum.llm.engine import AsyncLLMEngine
 from fulcrum.llm.examples import build_tiny_gpt2
-from fulcrum.llm.params import EngineParams
-from fulcrum.server.openai import openai_routes
+from fulcrum.server.app import create_app
+from fulcrum.service import Service
+from fulcrum.service_llm import LLMServable
 
-
-class FakeService:
-    """The two methods the routes need."""
-
-    def __init__(self, engines: dict[str, AsyncLLMEngine]) -> None:
-        self.engines = engines
-
-    def llm_engine(self, name: str) -> AsyncLLMEngine:
-        if name not in self.engines:
-            raise NotFound(f"model '{name}' is not a generative model")
-        return self.engines[name]
-
-    def llm_model_names(self) -> list[str]:
-        return sorted(self.engines)
+TINY_CONFIG = """platform = "llm"
+[parameters]
+num_kv_blocks = 64
+block_size = 4
+max_model_len = 128
+"""
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory: Path = tmp_path_factory.mktemp("models")
-    name: str = build_tiny_gpt2(directory)
-    return directory / name / "1"
+    build_tiny_gpt2(directory, name="tiny")
+    (directory / "tiny" / "config.toml").write_text(TINY_CONFIG)
+    return directory
 
 
 @pytest.fixture
-async def engine(model_dir: Path) -> AsyncIterator[AsyncLLMEngine]:
-    params = EngineParams(num_kv_blocks=64, block_size=4, max_model_len=128)
-    engine = AsyncLLMEngine(LLMEngine.from_checkpoint(model_dir, params), model_name="tiny")
-    await engine.start()
-    yield engine
-    await engine.stop(timeout_s=5.0)
+async def service(repo: Path) -> AsyncIterator[Service]:
+    service = Service.from_repository(repo)
+    await service.start()
+    yield service
+    await service.stop()
 
 
 @pytest.fixture
-async def client(engine: AsyncLLMEngine) -> AsyncIterator[httpx.AsyncClient]:
-    app = Starlette(routes=openai_routes(FakeService({"tiny": engine})))
+def engine(service: Service) -> AsyncLLMEngine:
+    servable = service._repository.get("tiny")[2]
+    assert isinstance(servable, LLMServable)
+    return servable.engine
+
+
+@pytest.fixture
+async def client(service: Service) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(service, manage_lifespan=False)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         yield client

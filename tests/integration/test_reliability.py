@@ -79,7 +79,7 @@ def distinct_row(i: int) -> list[float]:
 
 
 def batcher_of(service: Service, name: str) -> DynamicBatcher:
-    servable = service.repository.get(name)[2]
+    servable = service._repository.get(name)[2]
     assert isinstance(servable, BatchServable)
     return servable.batcher
 

@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from fulcrum.context import internal_context
 from fulcrum.protocol import decode_infer_response, encode_infer_request
 from fulcrum.server.app import create_app
 from fulcrum.service import Service, ServiceSettings
@@ -182,7 +183,7 @@ async def test_deadline_in_queue_is_504(client: httpx.AsyncClient, service: Serv
     statuses = [r.status_code for r in responses]
     assert statuses == [200, 504, 504], statuses
     assert "timed out" in responses[1].json()["error"]
-    stats = service.statistics("deadline", None)["model_stats"][0]
+    stats = service.statistics(internal_context(), "deadline", None)["model_stats"][0]
     assert stats["execution_count"] == 1  # the expired requests never ran
     assert stats["inference_stats"]["fail"]["count"] == 2
 

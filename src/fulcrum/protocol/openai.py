@@ -1,5 +1,5 @@
-"""OpenAI wire format for the LLM routes: request structs (parsed with msgspec), their mapping to
-SamplingParams, and the JSON bodies of responses, stream chunks and errors. Pure: no HTTP."""
+"""OpenAI wire format: completions, chat and embeddings request structs (parsed with msgspec) and
+the JSON bodies of responses, stream chunks and errors. Pure: no HTTP, no engine."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any, TypeVar
 import msgspec
 
 from fulcrum.errors import FulcrumError, InvalidInput
-from fulcrum.llm.outputs import Usage
-from fulcrum.llm.sampling_params import SamplingParams
 
 _T = TypeVar("_T")
 _ERROR_TYPES = {
@@ -79,6 +77,8 @@ def decode_request(body: bytes, kind: type[_T]) -> _T:
         raise InvalidInput(f"{field}: {message}" if field else message) from None
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"malformed JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("malformed JSON: nested too deeply") from None
 
 
 def check_unsupported(request: _Request) -> None:
@@ -127,29 +127,12 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
-def sampling_params(request: _Request, max_tokens: int) -> SamplingParams:
-    """SamplingParams for a request (OpenAI defaults: temperature 1, top_p 1)."""
-    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_k=request.top_k or 0,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        seed=request.seed,
-        stop=stop,
-        stop_token_ids=tuple(request.stop_token_ids or ()),
-        ignore_eos=request.ignore_eos,
-    )
-    params.validate()
-    return params
-
-
-def usage_json(usage: Usage) -> dict[str, Any]:
+def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -168,3 +151,44 @@ def error_json(exc: FulcrumError) -> dict[str, Any]:
     """OpenAI's error body: message, type and code (the HTTP status); never a stack trace."""
     kind = _ERROR_TYPES.get(exc.status_code, "internal_error")
     return {"error": {"message": exc.message, "type": kind, "code": exc.status_code}}
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """OpenAI's `/v1/embeddings` body: one text or a list of texts."""
+
+    model: str
+    input: str | list[str]
+    encoding_format: str = "float"  # "float" or "base64" (the official client asks for base64)
+    dimensions: int | None = None
+    user: str | None = None
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's own limit per request
+
+
+def embedding_texts(request: EmbeddingRequest) -> list[str]:
+    """The request's texts; token-id input is refused (the text front end tokenises)."""
+    texts = [request.input] if isinstance(request.input, str) else request.input
+    if not texts:
+        raise InvalidInput("input: at least one text is required")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise InvalidInput(f"input: at most {MAX_EMBEDDING_INPUTS} texts per request")
+    if request.encoding_format not in ("float", "base64"):
+        raise InvalidInput(
+            f"encoding_format: expected 'float' or 'base64', got {request.encoding_format!r}"
+        )
+    return texts
+
+
+def embedding_response(
+    model: str, vectors: list[list[float]] | list[str], prompt_tokens: int
+) -> dict[str, Any]:
+    """The embeddings list body; a vector is floats, or base64 of little-endian float32."""
+    return {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }

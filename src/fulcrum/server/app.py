@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import importlib.util
 from collections.abc import AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -13,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from fulcrum.errors import NotFound
-from fulcrum.server.http import error_response, json_response
+from fulcrum.server.http import http_error
+from fulcrum.server.openai import openai_routes
 from fulcrum.server.v2 import V2Api
 from fulcrum.service import Service
 
@@ -33,7 +32,7 @@ def create_app(
     `manage_lifespan` starts and stops the service with the app."""
 
     def admin_allowed(request: Request) -> bool:
-        if admin_token is None:
+        if not admin_token:  # an empty token is no token: it would let "Bearer " in
             return admin_open
         given = request.headers.get("authorization", "")
         return hmac.compare_digest(given, f"Bearer {admin_token}")
@@ -41,20 +40,11 @@ def create_app(
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 404)
-        if status == 404:
-            return error_response(NotFound(f"no route {request.method} {request.url.path}"))
-        return json_response({"error": f"{request.method} not allowed here"}, status)
-
     routes: list[BaseRoute] = [
         *V2Api(service, admin_allowed).routes(),
         Route("/metrics", metrics),
     ]
-    if importlib.util.find_spec("fulcrum.server.openai") is not None:
-        from fulcrum.server.openai import openai_routes
-
-        routes.extend(openai_routes(service))
+    routes.extend(openai_routes(service))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

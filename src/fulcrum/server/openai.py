@@ -1,93 +1,89 @@
-"""OpenAI-compatible routes for generative models: /v1/completions, /v1/chat/completions (JSON
-or server-sent events ending with `data: [DONE]`) and /v1/models. A client that goes away, while
-streaming or waiting for a JSON answer, aborts its request so its KV blocks are freed."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (JSON, or server-sent events
+ending with `data: [DONE]`), /v1/embeddings and /v1/models, all through the service facade. A
+client that goes away, while streaming or waiting for a JSON answer, aborts its request."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from fulcrum.embeddings import encode_vectors
 from fulcrum.errors import FulcrumError, ModelError
-from fulcrum.llm.outputs import RequestOutput, Usage
-from fulcrum.server.http import read_body
+from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     chat_messages,
     check_unsupported,
     completion_prompt,
     decode_request,
+    embedding_response,
+    embedding_texts,
     envelope,
-    error_json,
-    sampling_params,
     usage_json,
+)
+from fulcrum.server.http import (
+    endpoint,
+    error_body,
+    json_response,
+    read_body,
+    request_context,
+    until_disconnect,
 )
 
 if TYPE_CHECKING:
-    from fulcrum.llm.engine import AsyncLLMEngine
+    from fulcrum.llm.outputs import RequestOutput, Usage
+    from fulcrum.protocol.openai import _Request
+    from fulcrum.service import Service
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-LARGE_PROMPT_CHARS = 16 * 1024
 _json = msgspec.json.Encoder()
 
 
-class LLMService(Protocol):
-    """What the routes need from the service."""
-
-    def llm_engine(self, name: str) -> AsyncLLMEngine: ...
-
-    def llm_model_names(self) -> list[str]: ...
-
-
-def openai_routes(service: LLMService) -> list[Route]:
-    """The OpenAI-compatible routes over `service`'s generative models."""
+def openai_routes(service: Service) -> list[Route]:
+    """The OpenAI-compatible routes over `service`."""
     api = _OpenAIApi(service)
     return [
-        Route("/v1/completions", _errors(api.completions), methods=["POST"]),
-        Route("/v1/chat/completions", _errors(api.chat), methods=["POST"]),
-        Route("/v1/models", _errors(api.models), methods=["GET"]),
+        Route("/v1/completions", endpoint(api.completions), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(api.chat), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(api.embeddings), methods=["POST"]),
+        Route("/v1/models", endpoint(api.models), methods=["GET"]),
     ]
 
 
-async def _encode_large(engine: AsyncLLMEngine, prompt: str | list[int]) -> str | list[int]:
-    # Tokenising a long text takes milliseconds per 100 KB: do it off the event loop.
-    if isinstance(prompt, str) and len(prompt) > LARGE_PROMPT_CHARS:
-        return await asyncio.to_thread(engine.encode, prompt)
-    return prompt
+def sampling_params(request: _Request, max_tokens: int) -> SamplingParams:
+    """SamplingParams for a request (OpenAI defaults: temperature 1, top_p 1)."""
+    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_k=request.top_k or 0,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        seed=request.seed,
+        stop=stop,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+    )
+    params.validate()
+    return params
 
 
-def _json_response(content: object, status_code: int = 200) -> Response:
-    return Response(_json.encode(content), status_code, media_type="application/json")
-
-
-def _errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
-    async def wrapper(request: Request) -> Response:
-        try:
-            return await endpoint(request)
-        except FulcrumError as exc:
-            response = _json_response(error_json(exc), exc.status_code)
-            response.headers.update(exc.headers())
-            return response
-        except Exception:
-            log.exception("unhandled error on %s", request.url.path)
-            return _json_response(error_json(FulcrumError("internal server error")), 500)
-
-    return wrapper
+def _usage(usage: Usage) -> dict[str, Any]:
+    return usage_json(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
 class _Call:
-    """One admitted request: its engine stream plus what the response needs to say."""
+    """One admitted request: its stream plus what the response needs to say."""
 
     def __init__(
         self, stream: AsyncIterator[RequestOutput], request_id: str, model: str, chat: bool
@@ -118,91 +114,69 @@ def _sse(payload: object) -> bytes:
 
 
 class _OpenAIApi:
-    def __init__(self, service: LLMService) -> None:
+    def __init__(self, service: Service) -> None:
         self.service = service
 
     async def models(self, request: Request) -> Response:
-        data = []
-        for name in self.service.llm_model_names():
-            engine = self.service.llm_engine(name)
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "fulcrum",
-                    "max_model_len": engine.max_model_len,
-                }
-            )
-        return _json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": self.service.generative_models()})
 
     async def completions(self, request: Request) -> Response:
+        ctx = request_context(request, "openai")
         body = decode_request(await read_body(request, MAX_BODY_BYTES), CompletionRequest)
         check_unsupported(body)
-        engine = self.service.llm_engine(body.model)
-        prompt = await _encode_large(engine, completion_prompt(body))
+        call = await self.service.prepare_prompt(ctx, body.model, completion_prompt(body))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        sampling = sampling_params(body, max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = engine.generate(
-            prompt,
-            sampling,
-            request_id=request_id,
-            priority=body.priority,
-            cache_salt=body.cache_salt,
-        )
-        return await self._respond(request, _Call(stream, request_id, body.model, False), body)
+        stream = self.service.generate(
+            ctx, call, sampling_params(body, max_tokens), request_id=request_id,
+            priority=body.priority, cache_salt=body.cache_salt,
+        )  # fmt: skip
+        return await _respond(request, _Call(stream, request_id, body.model, False), body)
 
     async def chat(self, request: Request) -> Response:
+        ctx = request_context(request, "openai")
         body = decode_request(await read_body(request, MAX_BODY_BYTES), ChatCompletionRequest)
         check_unsupported(body)
-        engine = self.service.llm_engine(body.model)
-        prompt = await _encode_large(engine, engine.apply_chat_template(chat_messages(body)))
-        prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else prompt
+        call = await self.service.prepare_chat(ctx, body.model, chat_messages(body))
         # Without a limit, a chat answer may use whatever context the prompt leaves (vLLM's rule).
         max_tokens = (
             body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         )
         if max_tokens is None:
-            max_tokens = max(1, engine.max_model_len - len(prompt_ids))
-        sampling = sampling_params(body, max_tokens)
+            max_tokens = max(1, call.max_model_len - len(call.token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = engine.generate(
-            prompt_ids,
-            sampling,
-            request_id=request_id,
-            priority=body.priority,
-            cache_salt=body.cache_salt,
+        stream = self.service.generate(
+            ctx, call, sampling_params(body, max_tokens), request_id=request_id,
+            priority=body.priority, cache_salt=body.cache_salt,
+        )  # fmt: skip
+        return await _respond(request, _Call(stream, request_id, body.model, True), body)
+
+    async def embeddings(self, request: Request) -> Response:
+        ctx = request_context(request, "openai")
+        body = decode_request(await read_body(request, MAX_BODY_BYTES), EmbeddingRequest)
+        texts = embedding_texts(body)
+        result = await until_disconnect(
+            request, self.service.embed(ctx, body.model, texts, dimensions=body.dimensions)
         )
-        return await self._respond(request, _Call(stream, request_id, body.model, True), body)
-
-    async def _respond(
-        self, request: Request, call: _Call, body: CompletionRequest | ChatCompletionRequest
-    ) -> Response:
-        if body.stream:
-            return StreamingResponse(
-                _events(call, include_usage=body.include_usage), media_type="text/event-stream"
-            )
-        collect = asyncio.ensure_future(_collect(call))
-        disconnect = asyncio.ensure_future(_wait_disconnect(request))
-        done, _ = await asyncio.wait((collect, disconnect), return_when=asyncio.FIRST_COMPLETED)
-        if collect not in done:  # the client left: cancelling the stream aborts the request
-            collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await collect
-        disconnect.cancel()
-        return _json_response(collect.result()) if collect in done else Response(status_code=499)
+        vectors = encode_vectors(result.matrix, body.encoding_format)
+        return json_response(embedding_response(body.model, vectors, result.prompt_tokens))
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass  # each receive waits for the next ASGI message; no polling
+async def _respond(
+    request: Request, call: _Call, body: CompletionRequest | ChatCompletionRequest
+) -> Response:
+    if body.stream:
+        return StreamingResponse(
+            _events(request, call, include_usage=body.include_usage),
+            media_type="text/event-stream",
+        )
+    return json_response(await until_disconnect(request, _collect(call)))
 
 
 async def _collect(call: _Call) -> dict[str, Any]:
     texts: list[str] = []
     finish_reason: str | None = None
-    usage = Usage(0, 0, 0)
+    usage: Usage | None = None
     async for output in call.stream:
         texts.append(output.new_text)
         finish_reason, usage = output.finish_reason, output.usage
@@ -212,11 +186,12 @@ async def _collect(call: _Call) -> dict[str, Any]:
         call.model,
         [call.choice("".join(texts), finish_reason, delta=False)],
     )
-    result["usage"] = usage_json(usage)
+    if usage is not None:
+        result["usage"] = _usage(usage)
     return result
 
 
-async def _events(call: _Call, *, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(request: Request, call: _Call, *, include_usage: bool) -> AsyncIterator[bytes]:
     usage: Usage | None = None
     try:
         if call.chat:
@@ -234,15 +209,16 @@ async def _events(call: _Call, *, include_usage: bool) -> AsyncIterator[bytes]:
             usage = output.usage
             if output.new_text or output.finished:
                 yield call.chunk([call.choice(output.new_text, output.finish_reason, delta=True)])
-    except FulcrumError as exc:  # the engine died or shut down mid-stream: say so, then end
-        yield _sse(error_json(exc))
+    except FulcrumError as exc:  # the engine died, shut down or the deadline passed: say so
+        yield _sse(error_body(request.url.path, exc))
     except Exception as exc:
         log.exception("stream of %s failed", call.request_id)
-        yield _sse(error_json(ModelError(f"generation failed: {type(exc).__name__}")))
+        error = ModelError(f"generation failed: {type(exc).__name__}")
+        yield _sse(error_body(request.url.path, error))
     if include_usage and usage is not None:
         chunk = envelope(
             call.request_id, call.object + ".chunk" if call.chat else call.object, call.model, []
         )
-        chunk["usage"] = usage_json(usage)
+        chunk["usage"] = _usage(usage)
         yield _sse(chunk)
     yield b"data: [DONE]\n\n"

@@ -2,50 +2,39 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from fulcrum.errors import Forbidden, InvalidInput, Unavailable
+from fulcrum.context import RequestContext
+from fulcrum.errors import Forbidden, InvalidInput
 from fulcrum.protocol import decode_infer_request, encode_infer_response
-from fulcrum.server.http import Endpoint, handle_errors, json_response, parse_json, read_body
+from fulcrum.server.http import (
+    Endpoint,
+    endpoint,
+    json_response,
+    off_loop_if_large,
+    parse_count,
+    parse_json,
+    read_body,
+    request_context,
+    until_disconnect,
+)
 from fulcrum.service import Service
 
-T = TypeVar("T")
+MAX_MANAGEMENT_BODY_BYTES = 1 << 20
 
 
 def _version(request: Request) -> int | None:
     raw = request.path_params.get("version")
     if raw is None or raw == "":
         return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise InvalidInput(f"model version must be a positive integer, got {raw!r}")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18 or int(raw) < 1:
+        raise InvalidInput(f"model version must be a positive integer, got {raw[:32]!r}")
     return int(raw)
-
-
-async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """Run `work`, cancelling it if the client goes away first, so a queued request whose
-    client left never runs."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        raise Unavailable("client disconnected")
-    return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class V2Api:
@@ -77,7 +66,7 @@ class V2Api:
             ("/v2/repository/models/{model}/load", self.load, ["POST"]),
             ("/v2/repository/models/{model}/unload", self.unload, ["POST"]),
         ]
-        return [Route(path, handle_errors(fn), methods=methods) for path, fn, methods in table]
+        return [Route(path, endpoint(fn), methods=methods) for path, fn, methods in table]
 
     async def live(self, request: Request) -> Response:
         return Response(status_code=200 if self.service.is_live else 503)
@@ -89,27 +78,37 @@ class V2Api:
         return json_response(self.service.server_metadata())
 
     async def model_metadata(self, request: Request) -> Response:
+        ctx = request_context(request, "v2")
         name = request.path_params["model"]
-        return json_response(self.service.model_metadata(name, _version(request)))
+        return json_response(self.service.model_metadata(ctx, name, _version(request)))
 
     async def model_ready(self, request: Request) -> Response:
-        ok = self.service.model_ready(request.path_params["model"], _version(request))
+        ctx = request_context(request, "v2")
+        ok = self.service.model_ready(ctx, request.path_params["model"], _version(request))
         return Response(status_code=200 if ok else 400)
 
     async def model_config(self, request: Request) -> Response:
-        return json_response(self.service.model_config(request.path_params["model"]))
+        ctx = request_context(request, "v2")
+        return json_response(self.service.model_config(ctx, request.path_params["model"]))
 
     async def infer(self, request: Request) -> Response:
+        ctx = request_context(request, "v2")
         name = request.path_params["model"]
         version = _version(request)
         body = await read_body(request, self.service.settings.max_body_bytes)
-        header = request.headers.get("inference-header-content-length")
-        if header is not None and not header.isdigit():
-            raise InvalidInput(f"invalid Inference-Header-Content-Length {header!r}")
-        infer_request = decode_infer_request(body, int(header) if header is not None else None)
-        work = self.service.infer(name, version, infer_request)
-        served, result = await _until_disconnect(request, work)
-        payload, headers = encode_infer_response(
+        raw_length = request.headers.get("inference-header-content-length")
+        header_length = (
+            None if raw_length is None
+            else parse_count(raw_length, "Inference-Header-Content-Length")
+        )  # fmt: skip
+        infer_request = await off_loop_if_large(
+            len(body), decode_infer_request, body, header_length
+        )
+        served, result = await until_disconnect(
+            request, self.service.infer(ctx, name, version, infer_request)
+        )
+        payload, headers = await off_loop_if_large(
+            len(body), encode_infer_response,
             name, str(served), infer_request.id, result.outputs, infer_request.outputs,
             infer_request.binary_output_default,
         )  # fmt: skip
@@ -120,31 +119,30 @@ class V2Api:
         return Response(payload, headers=headers)
 
     async def statistics(self, request: Request) -> Response:
+        ctx = request_context(request, "v2")
         name = request.path_params.get("model")
-        return json_response(self.service.statistics(name, _version(request)))
+        return json_response(self.service.statistics(ctx, name, _version(request)))
 
     async def repository_index(self, request: Request) -> Response:
-        self._guard(request)
-        body = parse_json(await read_body(request, 1 << 20), "repository index")
-        rows = self.service.repository.index()
-        if body.get("ready"):
-            rows = [r for r in rows if r["state"] == "READY"]
-        return json_response(rows)
+        ctx = self._management_context(request)
+        body = parse_json(await read_body(request, MAX_MANAGEMENT_BODY_BYTES), "repository index")
+        return json_response(self.service.repository_index(ctx, ready_only=bool(body.get("ready"))))
 
     async def load(self, request: Request) -> Response:
-        self._guard(request)
-        body = parse_json(await read_body(request, 1 << 20), "load request")
-        await self.service.repository.load(request.path_params["model"], _config_override(body))
+        ctx = self._management_context(request)
+        body = parse_json(await read_body(request, MAX_MANAGEMENT_BODY_BYTES), "load request")
+        await self.service.load(ctx, request.path_params["model"], _config_override(body))
         return json_response({})
 
     async def unload(self, request: Request) -> Response:
-        self._guard(request)
-        await self.service.repository.unload(request.path_params["model"])
+        ctx = self._management_context(request)
+        await self.service.unload(ctx, request.path_params["model"])
         return json_response({})
 
-    def _guard(self, request: Request) -> None:
+    def _management_context(self, request: Request) -> RequestContext:
         if not self.admin_allowed(request):
             raise Forbidden("management API needs the admin token on this address (--admin-token)")
+        return request_context(request, "management")
 
 
 def _config_override(body: dict[str, object]) -> dict[str, object] | None:
@@ -165,6 +163,8 @@ def _config_override(body: dict[str, object]) -> dict[str, object] | None:
         )
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"parameters.config is neither JSON nor TOML: {exc}") from None
+    except RecursionError:
+        raise InvalidInput("parameters.config: nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidInput("parameters.config must be an object")
     return value

@@ -1,0 +1,98 @@
+"""The request context: who asks, by when, how urgently, and which lane or A/B arm; built once at
+the edge from headers (both APIs) and read by the service, and later by the router and cache."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fulcrum.errors import DeadlineExceeded, InvalidInput
+
+REQUEST_ID_HEADER = "x-request-id"
+TENANT_HEADER = "x-fulcrum-tenant"
+TIMEOUT_HEADER = "x-fulcrum-timeout-ms"
+PRIORITY_HEADER = "x-fulcrum-priority"
+LANE_HEADER = "x-fulcrum-lane"
+AB_KEY_HEADER = "x-fulcrum-ab-key"
+MAX_LABEL_CHARS = 128  # tenant, lane, A/B key and request id: bounded, printable ASCII
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What the service knows about a request besides its payload."""
+
+    request_id: str
+    tenant: str  # from X-Fulcrum-Tenant, else derived from the API key, else "default"
+    api: str  # "v2", "openai" or "management"
+    deadline_s: float | None = None  # absolute time.monotonic() value
+    priority: int | None = None  # None: the model's default
+    lane: str | None = None
+    ab_key: str | None = None
+
+    def remaining_s(self, now_s: float) -> float | None:
+        """Seconds left before the deadline (None: no deadline); 504 once it has passed."""
+        if self.deadline_s is None:
+            return None
+        left_s = self.deadline_s - now_s
+        if left_s <= 0:
+            raise DeadlineExceeded(f"request {self.request_id} passed its deadline before it ran")
+        return left_s
+
+    def timeout_s(self, own_timeout_s: float | None, now_s: float) -> float | None:
+        """The tighter of the context's deadline and a protocol-level timeout (v2 `timeout`)."""
+        left_s = self.remaining_s(now_s)
+        if left_s is None:
+            return own_timeout_s
+        return left_s if own_timeout_s is None else min(left_s, own_timeout_s)
+
+
+def context_from_headers(headers: Mapping[str, str], *, api: str, now_s: float) -> RequestContext:
+    """Build the context from (lower-case) HTTP headers; InvalidInput names a bad header."""
+    timeout_ms = _number(headers, TIMEOUT_HEADER)
+    return RequestContext(
+        request_id=_label(headers, REQUEST_ID_HEADER) or uuid.uuid4().hex,
+        tenant=_label(headers, TENANT_HEADER) or _tenant_of_key(headers) or DEFAULT_TENANT,
+        api=api,
+        deadline_s=None if timeout_ms is None else now_s + timeout_ms / 1000,
+        priority=None if (p := _number(headers, PRIORITY_HEADER)) is None else int(p),
+        lane=_label(headers, LANE_HEADER),
+        ab_key=_label(headers, AB_KEY_HEADER),
+    )
+
+
+def _label(headers: Mapping[str, str], name: str) -> str | None:
+    value = headers.get(name)
+    if value is None or value == "":
+        return None
+    if len(value) > MAX_LABEL_CHARS or not (value.isascii() and value.isprintable()):
+        raise InvalidInput(
+            f"header {name}: at most {MAX_LABEL_CHARS} printable ASCII characters expected"
+        )
+    return value
+
+
+def _number(headers: Mapping[str, str], name: str) -> float | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    # isdecimal() alone accepts '²' and '١'; a header is ASCII digits or nothing.
+    if not (value.isascii() and value.isdigit()) or len(value) > 12:
+        raise InvalidInput(f"header {name}: expected a non-negative integer, got {value[:32]!r}")
+    return float(value)
+
+
+def _tenant_of_key(headers: Mapping[str, str]) -> str | None:
+    """An API key identifies its tenant by a digest: the key itself is never kept or shown."""
+    auth = headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return "key-" + hashlib.sha256(key.strip().encode()).hexdigest()[:16]
+
+
+def internal_context(api: str = "internal") -> RequestContext:
+    """A context for calls that do not come over HTTP (tools, tests, the service itself)."""
+    return RequestContext(request_id=uuid.uuid4().hex, tenant=DEFAULT_TENANT, api=api)
