@@ -19,6 +19,7 @@ import pytest
 from fulcrum.batcher import InferResult
 from fulcrum.context import RequestContext
 from fulcrum.llm.examples import build_tiny_gpt2
+from fulcrum.protocol import decode_infer_response, encode_infer_request
 from fulcrum.router import Route
 from fulcrum.server.app import create_app
 from fulcrum.service import Service, ServiceSettings
@@ -343,3 +344,72 @@ async def test_load_unload_cycles_leave_metrics_and_models_released(
     assert sizes == [sizes[0]] * 4  # the LLM families' HELP lines stay once created; no series
     gc.collect()
     assert [ref() for ref in released] == [None] * len(released)
+
+
+async def test_one_invalid_utf8_row_among_32_binary_requests_fails_alone(
+    minilm: httpx.AsyncClient,
+) -> None:
+    """The official Triton client sends BYTES in binary: one request with an invalid UTF-8 row
+    among 32 concurrent ones gets a 400 naming its own row; the 31 others get their own answers."""
+
+    async def infer(rows: list[bytes]) -> httpx.Response:
+        text = np.array(rows, dtype=object).reshape(len(rows), 1)
+        body, headers = encode_infer_request({"text": text}, binary=True)
+        return await minilm.post("/v2/models/minilm/infer", content=body, headers=headers)
+
+    def embedding(response: httpx.Response) -> np.ndarray:
+        length = response.headers.get("inference-header-content-length")
+        _, outputs = decode_infer_response(response.content, int(length) if length else None)
+        return outputs["embedding"]
+
+    requests = [[f"sentence number {i}".encode()] for i in range(32)]
+    requests[13] = [b"fine", b"\xff\xfe broken"]
+    answers = await asyncio.gather(*(infer(rows) for rows in requests))
+    assert answers[13].status_code == 400
+    assert "row 1" in answers[13].json()["error"] and "UTF-8" in answers[13].json()["error"]
+    for i, answer in enumerate(answers):
+        if i != 13:
+            assert answer.status_code == 200, answer.text
+            alone = embedding(await infer(requests[i]))
+            np.testing.assert_allclose(embedding(answer), alone, atol=1e-5)
+
+
+async def test_a_huge_chat_message_is_refused_before_tokenising(client: httpx.AsyncClient) -> None:
+    """1 MB of chat content for a model with a 64-token context: 413 at once, naming the bound
+    (it would take the tokenizer seconds, holding the GIL)."""
+    message = {"role": "user", "content": "word " * 200_000}
+    response = await client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": [message], "max_tokens": 1}
+    )
+    assert response.status_code == 413
+    assert "prompt of more than 2048 bytes" in response.json()["error"]["message"]
+    prompt = await client.post("/v1/completions", json={**COMPLETION, "prompt": "x" * 3000})
+    assert prompt.status_code == 413
+
+
+async def test_a_client_leaving_during_its_body_logs_no_traceback(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = create_app(service, manage_lifespan=False)
+    sent: list[dict[str, object]] = []
+    messages = iter(
+        [{"type": "http.request", "body": b'{"inputs": [', "more_body": True},
+         {"type": "http.disconnect"}]
+    )  # fmt: skip
+
+    async def receive() -> dict[str, object]:
+        return next(messages)
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "method": "POST", "path": "/v2/models/echo/infer", "raw_path": b"",
+        "query_string": b"", "headers": [(b"content-type", b"application/json")],
+        "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("c", 1),
+        "root_path": "",
+    }  # fmt: skip
+    with caplog.at_level("DEBUG"):
+        await app(scope, receive, send)  # type: ignore[arg-type]
+    assert sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING") or r.exc_info]
