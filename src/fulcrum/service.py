@@ -31,7 +31,8 @@ from fulcrum.protocol import (
 from fulcrum.repository import ModelRepository, Servable
 from fulcrum.router import DirectRouter, Route, Router
 from fulcrum.servable import BatchServable
-from fulcrum.service_llm import LLMCall, LLMServable, generate, prepare_chat, prepare_prompt
+from fulcrum.service_llm import LLMCall as LLMCall  # re-exported: the routes name it
+from fulcrum.service_llm import LLMServable, generate, prepare_chat, prepare_prompt
 from fulcrum.types import TensorMap
 
 if TYPE_CHECKING:
@@ -322,7 +323,7 @@ class Service:
             self._repository.get(name, version)  # raises NotFound with the right message
         return {"model_stats": rows}
 
-    def repository_index(self, ctx: RequestContext, *, ready_only: bool) -> list[dict[str, str]]:
+    def model_index(self, ctx: RequestContext, *, ready_only: bool) -> list[dict[str, str]]:
         rows = self._repository.index()
         return [r for r in rows if r["state"] == "READY"] if ready_only else rows
 

@@ -40,9 +40,10 @@ from fulcrum.server.http import (
 )
 
 if TYPE_CHECKING:
+    from fulcrum.context import RequestContext
     from fulcrum.llm.outputs import RequestOutput, Usage
     from fulcrum.protocol.openai import _Request
-    from fulcrum.service import Service
+    from fulcrum.service import LLMCall, Service
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -126,12 +127,7 @@ class _OpenAIApi:
         check_unsupported(body)
         call = await self.service.prepare_prompt(ctx, body.model, completion_prompt(body))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self.service.generate(
-            ctx, call, sampling_params(body, max_tokens), request_id=request_id,
-            priority=body.priority, cache_salt=body.cache_salt,
-        )  # fmt: skip
-        return await _respond(request, _Call(stream, request_id, body.model, False), body)
+        return await self._generate(request, ctx, call, body, max_tokens, chat=False)
 
     async def chat(self, request: Request) -> Response:
         ctx = request_context(request, "openai")
@@ -144,12 +140,24 @@ class _OpenAIApi:
         )
         if max_tokens is None:
             max_tokens = max(1, call.max_model_len - len(call.token_ids))
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._generate(request, ctx, call, body, max_tokens, chat=True)
+
+    async def _generate(
+        self,
+        request: Request,
+        ctx: RequestContext,
+        call: LLMCall,
+        body: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int,
+        *,
+        chat: bool,
+    ) -> Response:
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = self.service.generate(
             ctx, call, sampling_params(body, max_tokens), request_id=request_id,
             priority=body.priority, cache_salt=body.cache_salt,
         )  # fmt: skip
-        return await _respond(request, _Call(stream, request_id, body.model, True), body)
+        return await _respond(request, _Call(stream, request_id, body.model, chat), body)
 
     async def embeddings(self, request: Request) -> Response:
         ctx = request_context(request, "openai")

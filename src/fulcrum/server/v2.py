@@ -126,7 +126,7 @@ class V2Api:
     async def repository_index(self, request: Request) -> Response:
         ctx = self._management_context(request)
         body = parse_json(await read_body(request, MAX_MANAGEMENT_BODY_BYTES), "repository index")
-        return json_response(self.service.repository_index(ctx, ready_only=bool(body.get("ready"))))
+        return json_response(self.service.model_index(ctx, ready_only=bool(body.get("ready"))))
 
     async def load(self, request: Request) -> Response:
         ctx = self._management_context(request)
