@@ -13,7 +13,6 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from fulcrum.server.http import http_error
-from fulcrum.server.limits import HEALTH_CHECKS
 from fulcrum.server.openai import openai_routes
 from fulcrum.server.v2 import V2Api
 from fulcrum.service import Service
@@ -48,18 +47,11 @@ def create_app(
     routes.extend(openai_routes(service))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, object]]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if manage_lifespan:
             await service.start()
         try:
-            # For `LimitedHttpProtocol`, which answers these probes before routing; the same
-            # answers as the v2 routes, which serve them under any other server.
-            yield {
-                HEALTH_CHECKS: {
-                    "/v2/health/live": lambda: service.is_live,
-                    "/v2/health/ready": lambda: service.is_ready,
-                }
-            }
+            yield
         finally:
             if manage_lifespan:
                 await service.drain()

@@ -28,9 +28,6 @@ if TYPE_CHECKING:
     from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
 
 log = logging.getLogger(__name__)
-# The lifespan state key under which the app leaves {path: check} for GET health probes that the
-# protocol answers itself (see `_answer_health`).
-HEALTH_CHECKS = "fulcrum.health_checks"
 # After an error answer the server half-closes and reads (and drops) what the client still
 # sends, for at most this long: closing a socket with unread bytes sends a TCP reset, which can
 # destroy the answer before the client reads it (Apache's and nginx's "lingering close").
@@ -162,29 +159,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().shutdown()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        if not self._answer_health(cycle):
-            super()._start_asgi_task(cycle, self._answer_if_cut_off(cycle, app))
-
-    def _answer_health(self, cycle: RequestResponseCycle) -> bool:
-        """Answer a GET health probe here, without an ASGI task; False when it is not one.
-
-        A probe then costs one parse and one write inside this read callback, instead of a task
-        that waits its turn behind every request woken in the same loop iteration."""
-        scope = cycle.scope
-        checks = self.app_state.get(HEALTH_CHECKS)
-        if checks is None or scope["method"] != "GET" or scope["path"] not in checks:
-            return False
-        status = 200 if checks[scope["path"]]() else 503
-        headers = [*self.server_state.default_headers, (b"content-length", b"0")]
-        if not cycle.keep_alive:
-            headers.append((b"connection", b"close"))
-        lines = [STATUS_LINE[status], *(b"%s: %s\r\n" % h for h in headers), b"\r\n"]
-        self.transport.write(b"".join(lines))
-        cycle.response_started = cycle.response_complete = True
-        if not cycle.keep_alive:
-            self.transport.close()
-        self.on_response_complete()
-        return True
+        super()._start_asgi_task(cycle, self._answer_if_cut_off(cycle, app))
 
     def _answer_if_cut_off(
         self, cycle: RequestResponseCycle, app: ASGI3Application
