@@ -283,10 +283,14 @@ async def test_an_llm_loads_off_the_event_loop(repo: Path, monkeypatch: pytest.M
     build = AsyncLLMEngine.from_config
     loop_thread = threading.get_ident()
     seen: list[tuple[int, int]] = []
+    three_served = threading.Event()
 
     def recording(*args: object, **kwargs: object) -> AsyncLLMEngine:
         served_before = len(answers)
         engine = build(*args, **kwargs)  # type: ignore[arg-type]
+        # A build can be quicker than one v2 request: it waits for three to be answered, which
+        # can only happen if the loop is free meanwhile (bounded: on the loop, it never would).
+        three_served.wait(timeout=30)
         seen.append((threading.get_ident(), len(answers) - served_before))
         return engine
 
@@ -300,6 +304,8 @@ async def test_an_llm_loads_off_the_event_loop(repo: Path, monkeypatch: pytest.M
         async def traffic() -> None:
             while not seen:
                 answers.append((await c.post("/v2/models/echo/infer", json=rows(1))).status_code)
+                if len(answers) >= 3:
+                    three_served.set()
 
         load = c.post("/v2/repository/models/tiny/load")
         loaded, _ = await asyncio.gather(load, traffic())
