@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from fulcrum.demo import wait_ready
+
 BODY = (
     b'{"inputs":[{"name":"text","shape":[1,1],"datatype":"BYTES",'
     b'"data":["The quick brown fox jumps over the lazy dog today."]}]}'
@@ -117,19 +119,6 @@ def child_env(src: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
     return env
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Block until /v2/health/ready answers 200 (a one-off start-up wait)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"fulcrum serve exited with code {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"fulcrum serve not ready after {timeout_s:.0f} s")
 
 
 def percentile(sorted_ms: list[float], q: float) -> float:

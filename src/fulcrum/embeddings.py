@@ -11,7 +11,7 @@ import numpy as np
 
 from fulcrum.config import ModelConfig
 from fulcrum.errors import InvalidInput
-from fulcrum.types import Array
+from fulcrum.types import Array, TensorMap
 
 _FLOAT_TYPES = ("FP16", "FP32", "FP64", "BF16")
 _PREFERRED_OUTPUTS = ("embedding", "embeddings", "sentence_embedding", "pooler_output")
@@ -66,15 +66,28 @@ def text_tensor(spec: EmbeddingSpec, texts: list[str], *, batched: bool) -> Arra
     return data.reshape((len(texts), *spec.row_shape))
 
 
-def vectors(array: Array, *, num_texts: int, dimensions: int | None) -> Array:
-    """The output as a (texts, dim) float32 matrix; `dimensions` must equal dim when given."""
-    matrix = np.asarray(array, dtype=np.float32).reshape(num_texts, -1)
+def vectors(
+    spec: EmbeddingSpec, outputs: list[TensorMap], *, num_texts: int, dimensions: int | None
+) -> Array:
+    """The vector output of each chunk's result as one (texts, dim) float32 matrix;
+    `dimensions` must equal dim when given."""
+    parts = [_vector_of(spec, out) for out in outputs]
+    stacked = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    matrix = np.asarray(stacked, dtype=np.float32).reshape(num_texts, -1)
     if dimensions is not None and dimensions != matrix.shape[1]:
         raise InvalidInput(
             f"dimensions: the model's embeddings have {matrix.shape[1]} dimensions, "
             f"got {dimensions} (shortening is not supported)"
         )
     return matrix
+
+
+def _vector_of(spec: EmbeddingSpec, outputs: TensorMap) -> Array:
+    if spec.output is not None:
+        return outputs[spec.output]
+    if len(outputs) != 1:
+        raise InvalidInput("the model cannot serve embeddings: it returns several outputs")
+    return next(iter(outputs.values()))
 
 
 def encode_vectors(matrix: Array, encoding_format: str) -> list[list[float]] | list[str]:

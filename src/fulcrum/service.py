@@ -223,8 +223,8 @@ class Service:
             for c in chunks
         ]
         results = await _gather_or_cancel(runs)
-        outputs = [_one_output(r.outputs, spec.output, servable.config.name) for r in results]
-        matrix = vectors(_concat(outputs), num_texts=len(texts), dimensions=dimensions)
+        matrix = vectors(spec, [r.outputs for r in results], num_texts=len(texts),
+                         dimensions=dimensions)  # fmt: skip
         counter = self._token_counter(servable)
         prompt_tokens = await asyncio.to_thread(counter.count, texts)
         return Embeddings(matrix, servable.version, prompt_tokens)
@@ -344,20 +344,6 @@ def _serves_embeddings(config: ModelConfig) -> bool:
     except InvalidInput:
         return False
     return True
-
-
-def _one_output(outputs: TensorMap, name: str | None, model: str) -> Array:
-    if name is not None:
-        return outputs[name]
-    if len(outputs) != 1:
-        raise InvalidInput(f"model {model!r} cannot serve embeddings: it returns several outputs")
-    return next(iter(outputs.values()))
-
-
-def _concat(arrays: list[Array]) -> Array:
-    import numpy as np
-
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
 
 
 async def _gather_or_cancel(coros: list[Any]) -> list[InferResult]:
