@@ -14,11 +14,16 @@ import msgspec
 
 from fulcrum.datatypes import DATATYPES
 from fulcrum.errors import ConfigError
+from fulcrum.parameters import check_parameters
 
 PLATFORMS = ("onnx", "torch", "python", "echo", "llm")
 # Matched whole (`fullmatch`): `$` would accept a trailing newline. The leading letter or digit
 # already refuses `.`, `..`, `.hidden` and `-flag`; `/`, `\` and control characters never match.
 MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+# Beyond these a value is a typo, not a setting: a 2**30-row batch or an hour's added wait.
+MAX_BATCH_SIZE = 1 << 20
+MAX_DELAY_MS = 3_600_000.0
+VARIANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
 class _Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -83,6 +88,34 @@ class Tokenizer(_Frozen, frozen=True):
     type_ids: str | None = "token_type_ids"
 
 
+ParamValue = str | int | float | bool | list[str]
+
+
+class VariantFigures(_Frozen, frozen=True):
+    """What `fulcrum quantize` (or `fulcrum profile`) measured for a variant; None: not measured."""
+
+    size_bytes: int | None = None  # the variant's model file(s) on disk
+    latency_ms: float | None = None  # median latency of one row alone (batch 1)
+    knee_batch: int | None = None  # the batch size the knee rule chose
+    throughput_rps: float | None = None  # rows per second at the knee
+    fidelity: float | None = None  # agreement with the reference variant (metric below)
+    fidelity_metric: str = ""  # "cosine", "top1", "accuracy", "token_agreement", ...
+    reference: str = ""  # the variant the fidelity was measured against
+    measured_at: str = ""  # ISO date of the measurement
+    machine: str = ""  # where it was measured (CPU model, GPU)
+
+
+class Variant(_Frozen, frozen=True):
+    """One precision (or build) of the same model: its parameters override the model's own
+    `[parameters]` (typically `model_file`); every other setting is the model's."""
+
+    parameters: dict[str, ParamValue] = {}
+    precision: str = ""  # "fp32", "fp16", "int8", "int4", ... (informational)
+    load: bool = True  # False: declared (and measured) but not loaded by the repository
+    description: str = ""
+    figures: VariantFigures = VariantFigures()
+
+
 class ModelConfig(_Frozen, frozen=True, kw_only=True):
     """Everything `config.toml` may say about one model."""
 
@@ -95,7 +128,10 @@ class ModelConfig(_Frozen, frozen=True, kw_only=True):
     dynamic_batching: DynamicBatching | None = None
     instances: Instances = Instances()
     tokenizer: Tokenizer | None = None
-    parameters: dict[str, str | int | float | bool | list[str]] = {}
+    parameters: dict[str, ParamValue] = {}
+    # Variants of this model; none declared: one implicit variant named "default".
+    variants: dict[str, Variant] = {}
+    default_variant: str = ""  # "": the first variant listed
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -162,8 +198,10 @@ def validate(config: ModelConfig) -> None:
     check_model_name(config.name)
     if config.platform not in PLATFORMS:
         raise ConfigError(f"key 'platform' = {config.platform!r}: expected one of {PLATFORMS}")
-    if config.max_batch_size < 0:
-        raise ConfigError(f"key 'max_batch_size' = {config.max_batch_size}: must be >= 0")
+    if not 0 <= config.max_batch_size <= MAX_BATCH_SIZE:
+        raise ConfigError(
+            f"key 'max_batch_size' = {config.max_batch_size}: must lie in 0..{MAX_BATCH_SIZE}"
+        )
     _validate_tensors("inputs", config.inputs)
     _validate_tensors("outputs", config.outputs)
     _validate_versions(config.version_policy)
@@ -176,6 +214,32 @@ def validate(config: ModelConfig) -> None:
         )
     if config.dynamic_batching is not None:
         _validate_batching(config.dynamic_batching, config.max_batch_size)
+    _validate_variants(config)
+
+
+def _validate_variants(config: ModelConfig) -> None:
+    for name in config.variants:
+        if not VARIANT_NAME_RE.fullmatch(name):
+            raise ConfigError(f"key 'variants.{name}': use letters, digits, '_', '-', '.'")
+    if config.default_variant:
+        if config.default_variant not in config.variants:
+            raise ConfigError(
+                f"key 'default_variant' = {config.default_variant!r}: not one of the variants "
+                f"{sorted(config.variants)}"
+            )
+        if not config.variants[config.default_variant].load:
+            raise ConfigError(
+                f"key 'default_variant' = {config.default_variant!r}: that variant has load = false"
+            )
+    if config.variants and not any(v.load for v in config.variants.values()):
+        raise ConfigError("key 'variants': every variant has load = false; nothing would serve")
+    if not config.variants:
+        check_parameters(config.platform, dict(config.parameters))
+    for name, variant in config.variants.items():
+        try:
+            check_parameters(config.platform, {**config.parameters, **variant.parameters})
+        except ConfigError as exc:
+            raise ConfigError(f"variant {name!r}: {exc.message}") from None
 
 
 def _validate_tensors(key: str, specs: tuple[TensorSpec, ...]) -> None:
@@ -206,10 +270,10 @@ def _validate_versions(policy: VersionPolicy) -> None:
 def _validate_batching(batching: DynamicBatching, max_batch_size: int) -> None:
     if max_batch_size < 1:
         raise ConfigError("key 'dynamic_batching': needs max_batch_size >= 1")
-    if batching.max_queue_delay_ms < 0:
+    if not 0 <= batching.max_queue_delay_ms <= MAX_DELAY_MS:  # NaN and inf too
         raise ConfigError(
             f"key 'dynamic_batching.max_queue_delay_ms' = {batching.max_queue_delay_ms}: "
-            "must be >= 0"
+            f"must lie in 0..{MAX_DELAY_MS:g}"
         )
     bad = [s for s in batching.preferred_batch_sizes if not 1 <= s <= max_batch_size]
     if bad:
@@ -237,7 +301,7 @@ def _validate_batching(batching: DynamicBatching, max_batch_size: int) -> None:
 def _validate_queue_policy(key: str, policy: QueuePolicy) -> None:
     if policy.max_queue_size < 0:
         raise ConfigError(f"key '{key}.max_queue_size' = {policy.max_queue_size}: must be >= 0")
-    if policy.default_timeout_ms < 0:
+    if not 0 <= policy.default_timeout_ms < float("inf"):  # NaN too
         raise ConfigError(
             f"key '{key}.default_timeout_ms' = {policy.default_timeout_ms}: must be >= 0"
         )

@@ -1,5 +1,5 @@
-"""The request context: who asks, by when, how urgently, and which lane or A/B arm; built once at
-the edge from headers (both APIs) and read by the service, and later by the router and cache."""
+"""The request context: who asks, by when, how urgently, which variant, lane or A/B arm; built
+once at the edge from headers (both APIs) and read by the service, the router and the cache."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ TIMEOUT_HEADER = "x-fulcrum-timeout-ms"
 PRIORITY_HEADER = "x-fulcrum-priority"
 LANE_HEADER = "x-fulcrum-lane"
 AB_KEY_HEADER = "x-fulcrum-ab-key"
+VARIANT_HEADER = "x-fulcrum-variant"
 MAX_LABEL_CHARS = 128  # tenant, lane, A/B key and request id: bounded, printable ASCII
 DEFAULT_TENANT = "default"
 
@@ -31,6 +32,7 @@ class RequestContext:
     priority: int | None = None  # None: the model's default
     lane: str | None = None
     ab_key: str | None = None
+    variant: str | None = None  # None: the model's default variant
 
     def remaining_s(self, now_s: float) -> float | None:
         """Seconds left before the deadline (None: no deadline); 504 once it has passed."""
@@ -60,6 +62,7 @@ def context_from_headers(headers: Mapping[str, str], *, api: str, now_s: float) 
         priority=None if (p := _number(headers, PRIORITY_HEADER)) is None else int(p),
         lane=_label(headers, LANE_HEADER),
         ab_key=_label(headers, AB_KEY_HEADER),
+        variant=_label(headers, VARIANT_HEADER),
     )
 
 

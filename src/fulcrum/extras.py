@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "llm": ("the LLM engine", ("torch", "numba", "safetensors")),
     "torch": ("the PyTorch backend", ("torch",)),
     "bench": ("benchmark plots", ("matplotlib",)),
+    "tune": ("`fulcrum profile`, `quantize` and `tune`", ("onnx", "psutil", "matplotlib")),
     # The tiny LLM examples need torch, which the weights package pulls in anyway (through
     # sentence-transformers); httpx is the demo's client.
     "examples": (

@@ -45,7 +45,7 @@ class ServerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        labels = ("model", "version")
+        labels = ("model", "version", "variant")
         r = self.registry
         self.request_s = Histogram("fulcrum_request_duration_seconds",
                                    "Time from request decoded to response ready.",
@@ -71,16 +71,16 @@ class ServerMetrics:
         self.retry_compute_s = Counter(
             "fulcrum_isolation_compute_seconds",
             "Model time spent on those extra dispatches.", labels, registry=r)  # fmt: skip
-        self._series: dict[tuple[str, str], _Series] = {}
+        self._series: dict[tuple[str, str, str], _Series] = {}
 
-    def for_model(self, model: str, version: int) -> ModelMetrics:
+    def for_model(self, model: str, version: int, variant: str = "default") -> ModelMetrics:
         """A lease on one version's series (label children bound once, so the hot path does no
         lookups). Every lease must be released; the series go when the last one is.
 
         Leases count because a reload of the same version starts the new servable before the
         old one stops: both hold the same series, and the old one's release must not drop them.
         """
-        key = (model, str(version))
+        key = (model, str(version), variant)
         series = self._series.get(key)
         if series is None:
             series = self._series[key] = _Series()
@@ -95,7 +95,7 @@ class ServerMetrics:
         """Versions that have series now."""
         return len(self._series)
 
-    def _release(self, key: tuple[str, str]) -> None:
+    def _release(self, key: tuple[str, str, str]) -> None:
         series = self._series.get(key)
         if series is None:
             return
@@ -114,22 +114,21 @@ class ServerMetrics:
 class ModelMetrics:
     """One model version's bound metric children: a lease from `ServerMetrics.for_model`."""
 
-    def __init__(self, server: ServerMetrics, key: tuple[str, str], series: _Series) -> None:
+    def __init__(self, server: ServerMetrics, key: tuple[str, str, str], series: _Series) -> None:
         self._server = server
         self._key = key
         self._series = series
         self._watched: list[weakref.ref[GaugeSource]] = []
         self._released = False
-        model, version = key
-        self.request_s = server.request_s.labels(model, version)
-        self.queue_s = server.queue_s.labels(model, version)
-        self.compute_s = server.compute_s.labels(model, version)
-        self.batch_size = server.batch_size.labels(model, version)
-        self.queue_depth = server.queue_depth.labels(model, version)
-        self.in_flight = server.in_flight.labels(model, version)
-        self.outcomes = {o: server.requests.labels(model, version, o) for o in OUTCOMES}
-        self.retried_dispatches = server.retried_dispatches.labels(model, version)
-        self.retry_compute_s = server.retry_compute_s.labels(model, version)
+        self.request_s = server.request_s.labels(*key)
+        self.queue_s = server.queue_s.labels(*key)
+        self.compute_s = server.compute_s.labels(*key)
+        self.batch_size = server.batch_size.labels(*key)
+        self.queue_depth = server.queue_depth.labels(*key)
+        self.in_flight = server.in_flight.labels(*key)
+        self.outcomes = {o: server.requests.labels(*key, o) for o in OUTCOMES}
+        self.retried_dispatches = server.retried_dispatches.labels(*key)
+        self.retry_compute_s = server.retry_compute_s.labels(*key)
 
     def watch(self, source: GaugeSource) -> None:
         """Report `source`'s queue depth and admitted requests on the gauges (held weakly)."""

@@ -18,6 +18,7 @@ import msgspec
 from fulcrum.config import ModelConfig, VersionPolicy, check_model_name, load_model_config
 from fulcrum.config import validate as validate_config
 from fulcrum.errors import ConfigError, FulcrumError, InvalidInput, NotFound, Unavailable
+from fulcrum.variants import default_variant, loaded_variant_names, resolve_variant
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,38 @@ class Servable(Protocol):
     async def stop(self) -> None: ...
 
 
-Loader = Callable[[ModelConfig, int, Path], Awaitable[Servable]]
+# (the variant's resolved config, version, version folder, variant name) -> a started servable
+Loader = Callable[[ModelConfig, int, Path, str], Awaitable[Servable]]
+
+
+class VariantSet:
+    """One version's loaded variants (a model without variants has one, "default"); started and
+    stopped together, so a reload swaps a version's variants as one."""
+
+    def __init__(self, variants: dict[str, Servable], default: str) -> None:
+        self.variants = variants
+        self.default = default
+
+    @property
+    def is_ready(self) -> bool:
+        return all(s.is_ready for s in self.variants.values())
+
+    async def stop(self) -> None:
+        await _stop_all(self.variants.values())
+
+    def get(self, config: ModelConfig, name: str | None) -> Servable:
+        """The variant `name` (None: the default); InvalidInput names the loaded ones."""
+        servable = self.variants.get(self.default if name is None else name)
+        if servable is not None:
+            return servable
+        loaded = list(self.variants)
+        declared = config.variants.get(name or "")
+        if declared is not None and not declared.load:
+            raise InvalidInput(
+                f"model '{config.name}' variant {name!r} is declared with load = false "
+                f"(loaded variants: {loaded})"
+            )
+        raise InvalidInput(f"model '{config.name}' has no variant {name!r} (variants: {loaded})")
 
 
 @dataclass
@@ -40,7 +72,7 @@ class ModelEntry:
 
     name: str
     config: ModelConfig | None = None
-    versions: dict[int, Servable] = field(default_factory=dict)
+    versions: dict[int, VariantSet] = field(default_factory=dict)
     state: str = "UNAVAILABLE"
     reason: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -106,8 +138,11 @@ class ModelRepository:
                 )
         return rows
 
-    def get(self, name: str, version: int | None = None) -> tuple[ModelConfig, int, Servable]:
-        """The config, version number and servable that serve `name` (default: highest)."""
+    def get(
+        self, name: str, version: int | None = None, variant: str | None = None
+    ) -> tuple[ModelConfig, int, Servable]:
+        """The config, version number and servable that serve `name` (default: the highest
+        version, the model's default variant); the config is the model's, not the variant's."""
         entry = self._entries.get(name)
         if entry is None or entry.config is None or not entry.versions:
             if entry is not None and entry.state == "LOADING":
@@ -115,18 +150,19 @@ class ModelRepository:
             raise NotFound(f"model '{name}' is not loaded")
         if version is None:
             version = max(entry.versions)
-        servable = entry.versions.get(version)
-        if servable is None:
+        variants = entry.versions.get(version)
+        if variants is None:
             raise NotFound(f"model '{name}' has no loaded version {version}")
-        return entry.config, version, servable
+        return entry.config, version, variants.get(entry.config, variant)
 
     def loaded(self) -> list[tuple[ModelConfig, int, Servable]]:
-        """Every loaded (config, version, servable)."""
+        """Every loaded (model config, version, servable), each variant of a version apart."""
         return [
             (e.config, v, s)
             for e in self._entries.values()
             if e.config is not None
-            for v, s in sorted(e.versions.items())
+            for v, variants in sorted(e.versions.items())
+            for s in variants.variants.values()
         ]
 
     async def load_all(self) -> list[str]:
@@ -185,7 +221,7 @@ class ModelRepository:
 
     async def _prepare(
         self, name: str, override: dict[str, object] | None
-    ) -> tuple[ModelConfig, dict[int, Servable]]:
+    ) -> tuple[ModelConfig, dict[int, VariantSet]]:
         """Read the config, apply the override, start the chosen versions."""
         config = load_model_config(self._config_path(name), dir_name=name)
         if not override:
@@ -203,13 +239,17 @@ class ModelRepository:
 
     async def _start_versions(
         self, config: ModelConfig, versions: list[int]
-    ) -> dict[int, Servable]:
-        started: dict[int, Servable] = {}
+    ) -> dict[int, VariantSet]:
+        started: dict[int, VariantSet] = {}
         try:
             for version in versions:
-                started[version] = await self._loader(
-                    config, version, self.root / config.name / str(version)
-                )
+                started[version] = VariantSet({}, default_variant(config))
+                folder = self.root / config.name / str(version)
+                for name in loaded_variant_names(config):
+                    variant_config = resolve_variant(config, name)
+                    started[version].variants[name] = await self._loader(
+                        variant_config, version, folder, name
+                    )
         except FulcrumError as exc:
             await _stop_all(started.values())
             exc.message = self._relative(exc.message)

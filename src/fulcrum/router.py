@@ -11,11 +11,12 @@ from fulcrum.context import RequestContext
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where a request goes: the model and version that serve it, and the lane (later)."""
+    """Where a request goes: the model, version and variant that serve it, and the lane."""
 
     model: str
     version: int | None
     lane: str | None = None
+    variant: str | None = None  # None: the model's default variant
 
 
 class Router(Protocol):
@@ -25,7 +26,7 @@ class Router(Protocol):
 
 
 class DirectRouter:
-    """No routing: the named model and version, in the context's lane."""
+    """No routing: the named model, version and variant, in the context's lane."""
 
     def route(self, ctx: RequestContext, model: str, version: int | None) -> Route:
-        return Route(model, version, ctx.lane)
+        return Route(model, version, ctx.lane, ctx.variant)

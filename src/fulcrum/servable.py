@@ -20,10 +20,16 @@ class BatchServable:
     """Requests in, batches through `DynamicBatcher` onto an `InstancePool`, results out."""
 
     def __init__(
-        self, config: ModelConfig, version: int, pool: InstancePool, metrics: ModelMetrics
+        self,
+        config: ModelConfig,
+        version: int,
+        pool: InstancePool,
+        metrics: ModelMetrics,
+        variant: str = "default",
     ) -> None:
-        self.config = config
+        self.config = config  # the variant's config: its parameters laid over the model's
         self.version = version
+        self.variant = variant
         self.pool = pool
         self.metrics = metrics
         self.stats = ModelStats()
@@ -34,7 +40,12 @@ class BatchServable:
 
     @classmethod
     async def load(
-        cls, config: ModelConfig, version: int, version_dir: Path, metrics: ModelMetrics
+        cls,
+        config: ModelConfig,
+        version: int,
+        version_dir: Path,
+        metrics: ModelMetrics,
+        variant: str = "default",
     ) -> BatchServable:
         """Create one backend per instance off the event loop, then start the batcher.
         Takes ownership of `metrics`: a load that fails releases them."""
@@ -49,9 +60,9 @@ class BatchServable:
             raise
         timeout_s = config.instances.execution_timeout_ms / 1000  # 0: no limit
         pool = InstancePool(
-            backends, name=f"{config.name}/{version}", execution_timeout_s=timeout_s
+            backends, name=f"{config.name}/{version}/{variant}", execution_timeout_s=timeout_s
         )
-        servable = cls(config, version, pool, metrics)
+        servable = cls(config, version, pool, metrics, variant)
         servable.batcher.start()
         return servable
 

@@ -5,6 +5,7 @@ the edge; the router and result-cache hooks sit here, so both APIs get them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import time
@@ -147,11 +148,14 @@ class Service:
             return False
         return not self._stopping and servable.is_ready
 
-    async def _load_version(self, config: ModelConfig, version: int, version_dir: Path) -> Servable:
+    async def _load_version(
+        self, config: ModelConfig, version: int, version_dir: Path, variant: str
+    ) -> Servable:
         if config.platform == "llm":
-            return await LLMServable.load(config, version, version_dir, self.metrics.registry)
-        metrics = self.metrics.for_model(config.name, version)
-        return await BatchServable.load(config, version, version_dir, metrics)
+            registry = self.metrics.registry
+            return await LLMServable.load(config, version, version_dir, registry, variant)
+        metrics = self.metrics.for_model(config.name, version, variant)
+        return await BatchServable.load(config, version, version_dir, metrics, variant)
 
     def _check_open(self) -> None:
         if self._stopping:
@@ -160,7 +164,7 @@ class Service:
     # --- batch models: KServe v2 and embeddings ------------------------------------------
 
     def _batch_model(self, route: Route) -> BatchServable:
-        _, _, servable = self._repository.get(route.model, route.version)
+        _, _, servable = self._repository.get(route.model, route.version, route.variant)
         if not isinstance(servable, BatchServable):
             raise InvalidInput(
                 f"model '{route.model}' is a generative model: use /v1/completions or "
@@ -173,6 +177,7 @@ class Service:
     ) -> tuple[int, InferResult]:
         """Validate and run one request; returns the version that served it and its result."""
         self._check_open()
+        ctx = _with_variant(ctx, request.parameters.get("variant"))
         route = self.router.route(ctx, name, version)
         servable = self._batch_model(route)
         validate_requested_outputs(servable.config, request.outputs)
@@ -241,7 +246,7 @@ class Service:
     def _llm(self, ctx: RequestContext, name: str) -> tuple[int, LLMServable]:
         self._check_open()
         route = self.router.route(ctx, name, None)
-        _, version, servable = self._repository.get(route.model, route.version)
+        _, version, servable = self._repository.get(route.model, route.version, route.variant)
         if not isinstance(servable, LLMServable):
             raise NotFound(f"model '{name}' is not a generative model")
         return version, servable
@@ -313,7 +318,7 @@ class Service:
     ) -> dict[str, Any]:
         """Triton's statistics response for one model, one version, or every model."""
         rows = [
-            s.stats.to_json(c.name, v)
+            s.stats.to_json(c.name, v, s.variant)
             for c, v, s in self._repository.loaded()
             if isinstance(s, BatchServable)
             and (name is None or c.name == name)
@@ -336,6 +341,21 @@ class Service:
 
     async def unload(self, ctx: RequestContext, name: str) -> None:
         await self._repository.unload(name)
+
+
+def _with_variant(ctx: RequestContext, variant: object) -> RequestContext:
+    """The context with the request's `variant` parameter (v2); it may not contradict the
+    X-Fulcrum-Variant header."""
+    if variant is None:
+        return ctx
+    if not isinstance(variant, str) or not variant:
+        raise InvalidInput(f"parameter 'variant' must be a variant name, got {variant!r}")
+    if ctx.variant is not None and ctx.variant != variant:
+        raise InvalidInput(
+            f"parameter 'variant' = {variant!r} contradicts header X-Fulcrum-Variant = "
+            f"{ctx.variant!r}"
+        )
+    return dataclasses.replace(ctx, variant=variant)
 
 
 def _serves_embeddings(config: ModelConfig) -> bool:

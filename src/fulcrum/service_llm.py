@@ -33,19 +33,27 @@ MAX_PROMPT_BYTES_PER_TOKEN = 32
 class LLMServable:
     """Adapts an `AsyncLLMEngine` to the repository's `Servable`."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: AsyncLLMEngine, variant: str = "default") -> None:
         self.engine = engine
+        self.variant = variant
 
     @classmethod
     async def load(
-        cls, config: ModelConfig, version: int, version_dir: Path, registry: CollectorRegistry
+        cls,
+        config: ModelConfig,
+        version: int,
+        version_dir: Path,
+        registry: CollectorRegistry,
+        variant: str = "default",
     ) -> LLMServable:
         """Build the engine (weights, KV pool, kernels) on a worker thread, so every other model
         and the health probes keep being served during a load or a hot reload."""
         require_extra("llm", feature=f"serving '{config.name}' (platform 'llm')")
-        engine = await asyncio.to_thread(_build_engine, config, version_dir, version, registry)
+        engine = await asyncio.to_thread(
+            _build_engine, config, version_dir, version, variant, registry
+        )
         await engine.start()
-        return cls(engine)
+        return cls(engine, variant)
 
     @property
     def is_ready(self) -> bool:
@@ -56,12 +64,18 @@ class LLMServable:
 
 
 def _build_engine(
-    config: ModelConfig, version_dir: Path, version: int, registry: CollectorRegistry
+    config: ModelConfig,
+    version_dir: Path,
+    version: int,
+    variant: str,
+    registry: CollectorRegistry,
 ) -> AsyncLLMEngine:
     # The first import loads torch (about a second): on this worker thread, not the loop.
     from fulcrum.llm.engine import AsyncLLMEngine
 
-    return AsyncLLMEngine.from_config(config, version_dir, version=version, registry=registry)
+    return AsyncLLMEngine.from_config(
+        config, version_dir, version=version, variant=variant, registry=registry
+    )
 
 
 @dataclass(frozen=True, slots=True)

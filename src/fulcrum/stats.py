@@ -78,11 +78,12 @@ class ModelStats:
     def _touch(self) -> None:
         self.last_inference_ms = int(time.time() * 1000)  # wall clock: a timestamp, not timing
 
-    def to_json(self, name: str, version: int) -> dict[str, object]:
+    def to_json(self, name: str, version: int, variant: str = "default") -> dict[str, object]:
         zero = Duration().to_json()
         return {
             "name": name,
             "version": str(version),
+            "variant": variant,  # beyond Triton's fields: one row per loaded variant
             "last_inference": self.last_inference_ms,
             "inference_count": self.inference_count,
             "execution_count": self.execution_count,

@@ -160,7 +160,12 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
     }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=request, timeout=30) as r:
         next(r.iter_lines())  # the stream is running; now the client goes away
-    labels = {"model": "tiny-llama", "version": "1", "finished_reason": "abort"}
+    labels = {
+        "model": "tiny-llama",
+        "version": "1",
+        "variant": "default",
+        "finished_reason": "abort",
+    }
     deadline = time.monotonic() + 20
     while server.registry.get_sample_value("fulcrum_llm_request_success_total", labels) != 1.0:
         assert time.monotonic() < deadline, "the request was not aborted"

@@ -278,8 +278,8 @@ def test_a_restart_that_fails_to_load_fails_the_batch_and_counts_as_a_crash(
             ModelError,
             "exited with code 4 while loading",
         ),
-        ("", {"isolation": "fork"}, ConfigError, "'isolation' = 'fork': expected one of"),
-        ("", {"restart_window_s": "1m"}, ConfigError, "'restart_window_s' = '1m'"),
+        ("", {"isolation": "fork"}, ConfigError, "'parameters.isolation' = 'fork': expected one of"),
+        ("", {"restart_window_s": "1m"}, ConfigError, "'parameters.restart_window_s' = '1m'"),
     ],
 )
 def test_load_failures_keep_their_error_class_and_leave_nothing_behind(

@@ -155,7 +155,7 @@ def test_malformed_results_are_model_errors(tmp_path: Path, body: str, message: 
         (DOUBLER, {"module": "missing.py"}, ConfigError, "no python model file"),
         (DOUBLER, {"module": "../model.py"}, ConfigError, "inside the version"),
         (DOUBLER, {"class": "Missing"}, ConfigError, "'class' = 'Missing': no such class"),
-        (DOUBLER, {"module": 3}, ConfigError, "'module' = 3: expected a string"),
+        (DOUBLER, {"module": 3}, ConfigError, "'parameters.module' = 3: Expected `str`"),
         ("class Model:\n    pass\n", {}, ConfigError, "has no method 'execute'"),
         ("raise ImportError('no deps')\n", {}, ModelError, "importing .* failed: no deps"),
         (
@@ -248,5 +248,5 @@ def test_outputs_that_match_the_config_are_served(
 def test_isolation_defaults_to_thread_and_is_checked(tmp_path: Path) -> None:
     write(tmp_path, DOUBLER)
     assert isinstance(create_backend(make_config(), tmp_path), PythonBackend)
-    with pytest.raises(ConfigError, match="'isolation' = 'fork'"):
+    with pytest.raises(ConfigError, match="'parameters.isolation' = 'fork': expected one of"):
         create_backend(make_config(isolation="fork"), tmp_path)

@@ -5,6 +5,7 @@ import io
 import json
 import logging
 import shutil
+import threading
 import zipfile
 from pathlib import Path
 
@@ -224,8 +225,8 @@ def test_a_pickled_whole_module_is_never_unpickled(tmp_path: Path) -> None:
     [
         ("device", "tpu", "expected 'cpu', 'cuda' or 'cuda:N'"),
         ("device", "cuda:x", "expected 'cpu', 'cuda' or 'cuda:N'"),
-        ("num_threads", "4", "expected an integer"),
-        ("allow_pickle", "yes", "expected true or false"),
+        ("num_threads", "4", "Expected `int`, got `str`"),
+        ("allow_pickle", "yes", "Expected `bool`, got `str`"),
         ("model_file", "model.pkl", "expected a TorchScript '.pt'"),
         ("model_file", "../model.pt", "inside the version"),
         ("model_file", "missing.pt", "no model file"),
@@ -275,3 +276,30 @@ def test_text_input_goes_through_the_tokenizer_first(tmp_path: Path) -> None:
     out = TorchBackend(config, tmp_path).execute({"text": text})
     # [CLS] words [SEP] per row (padding excluded by the mask), plus 1 for the leading [CLS].
     assert out["n"].tolist() == [4, 6]
+
+
+def test_num_threads_holds_for_its_own_model_only(script_dir: Path) -> None:
+    """torch's pool size is set on each instance's own thread: one model's `num_threads` changes
+    neither another model's nor the caller's (it was process-wide before)."""
+    one = TorchBackend(make_config(num_threads=1), script_dir)
+    three = TorchBackend(make_config(num_threads=3), script_dir)
+    before = torch.get_num_threads()
+    seen: dict[str, list[int]] = {"one": [], "three": []}
+
+    def run(name: str, backend: TorchBackend, rounds: int, barrier: threading.Barrier) -> None:
+        for _ in range(rounds):
+            barrier.wait()  # interleave the two models' batches
+            backend.execute(ab())
+            seen[name].append(torch.get_num_threads())
+
+    barrier = threading.Barrier(2)
+    threads = [
+        threading.Thread(target=run, args=("one", one, 3, barrier)),
+        threading.Thread(target=run, args=("three", three, 3, barrier)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert seen == {"one": [1, 1, 1], "three": [3, 3, 3]}
+    assert torch.get_num_threads() == before

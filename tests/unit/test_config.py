@@ -41,6 +41,13 @@ def test_defaults_and_queue_policy(tmp_path: Path) -> None:
         ('platform = "tea"\n', "key 'platform' = 'tea'"),
         (BASE + "max_batch_size = -1\n", "not valid TOML"),
         ('platform = "echo"\nmax_batch_size = -1\n', "key 'max_batch_size' = -1"),
+        ('platform = "echo"\nmax_batch_size = 1000000000000\n', "must lie in 0..1048576"),
+        (BASE + "[dynamic_batching]\nmax_queue_delay_ms = inf\n", "max_queue_delay_ms' = inf"),
+        (BASE + "[dynamic_batching]\nmax_queue_delay_ms = nan\n", "max_queue_delay_ms' = nan"),
+        (
+            BASE + "[dynamic_batching.default_queue_policy]\ndefault_timeout_ms = inf\n",
+            "default_timeout_ms' = inf",
+        ),
         (BASE + '[[inputs]]\nname = "x"\ndatatype = "FP33"\n', "key 'inputs[0].datatype' = 'FP33'"),
         (BASE + '[[inputs]]\nname = "x"\ndatatype = "FP32"\nshape = [0]\n', "inputs[0].shape"),
         (

@@ -133,7 +133,9 @@ def test_metrics_follow_vllm_meanings(loaded: LoadedLLM) -> None:
         clock.advance(0.5)
 
     def value(name: str, **labels: str) -> float:
-        result = registry.get_sample_value(name, {"model": "m", "version": "1", **labels})
+        result = registry.get_sample_value(
+            name, {"model": "m", "version": "1", "variant": "default", **labels}
+        )
         assert result is not None, name
         return result
 
@@ -249,9 +251,9 @@ def test_metrics_share_one_registry_across_models_and_reloads() -> None:
     first.generation_tokens.inc()
     again.generation_tokens.inc()  # a reloaded version counts into the same series
     other.request_finished("stop")
-    labels = {"model": "a", "version": "1"}
+    labels = {"model": "a", "version": "1", "variant": "default"}
     assert registry.get_sample_value("fulcrum_llm_generation_tokens_total", labels) == 2
-    labels = {"model": "b", "version": "1", "finished_reason": "stop"}
+    labels = {"model": "b", "version": "1", "variant": "default", "finished_reason": "stop"}
     assert registry.get_sample_value("fulcrum_llm_request_success_total", labels) == 1
 
 

@@ -38,7 +38,7 @@ def loaded(model_dir: Path) -> LoadedLLM:
 
 
 def _gauges(registry: CollectorRegistry, model: str, version: str) -> list[float | None]:
-    labels = {"model": model, "version": version}
+    labels = {"model": model, "version": version, "variant": "default"}
     names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
     return [registry.get_sample_value(f"fulcrum_llm_{name}", labels) for name in names]
 
@@ -51,7 +51,7 @@ async def _cycle(model_dir: Path, registry: CollectorRegistry, version: int) -> 
     await engine.start()
     async for _ in engine.generate([5, 6, 7], GREEDY):
         pass
-    labels = {"model": "tiny-llama", "version": str(version)}
+    labels = {"model": "tiny-llama", "version": str(version), "variant": "default"}
     assert registry.get_sample_value("fulcrum_llm_generation_tokens_total", labels) == 3
     await engine.stop(timeout_s=5.0)
     assert registry.get_sample_value("fulcrum_llm_generation_tokens_total", labels) is None
@@ -73,7 +73,7 @@ def test_overlapping_engines_of_one_version_keep_the_series_until_the_last_goes(
     new.generation_tokens.inc()
     old.remove()  # the old engine of a same-version reload stops after the new one started
     old.remove()  # idempotent: must not take the new engine's share
-    labels = {"model": "m", "version": "1"}
+    labels = {"model": "m", "version": "1", "variant": "default"}
     assert registry.get_sample_value("fulcrum_llm_generation_tokens_total", labels) == 1
     new.request_finished("stop")
     new.remove()

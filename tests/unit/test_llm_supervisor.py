@@ -114,7 +114,7 @@ async def test_a_crashed_engine_fails_its_requests_goes_unready_and_comes_back(
     await engine._restart_task
     assert engine.is_healthy
     assert engine.num_restarts == 1
-    labels = {"model": "tiny", "version": "3"}
+    labels = {"model": "tiny", "version": "3", "variant": "default"}
     assert registry.get_sample_value("fulcrum_llm_engine_restarts_total", labels) == 1
     failed = {**labels, "finished_reason": "error"}
     assert registry.get_sample_value("fulcrum_llm_request_success_total", failed) == 1

@@ -43,7 +43,9 @@ class FakeLoader:
         self.fail_versions: set[int] = set()
         self.missing_file = False  # raise as a backend does when its weights file is absent
 
-    async def __call__(self, config: ModelConfig, version: int, path: Path) -> FakeServable:
+    async def __call__(
+        self, config: ModelConfig, version: int, path: Path, variant: str = "default"
+    ) -> FakeServable:
         assert path.is_dir()
         if version in self.fail_versions:
             raise ConfigError(f"version {version} is broken")

@@ -93,7 +93,7 @@ async def test_the_gauges_read_the_live_servable(tmp_path: Path) -> None:
         servable.infer({"x": np.ones((2, 1), np.float32)}, priority=None, timeout_s=None)
     )
     await asyncio.sleep(0)  # let it queue: the batch waits to fill
-    labels = {"model": "col", "version": "1"}
+    labels = {"model": "col", "version": "1", "variant": "default"}
     assert metrics.registry.get_sample_value("fulcrum_queue_depth", labels) == 1.0
     assert metrics.registry.get_sample_value("fulcrum_inflight_requests", labels) == 1.0
     filler = servable.infer({"x": np.ones((4, 1), np.float32)}, priority=None, timeout_s=None)
@@ -144,7 +144,11 @@ async def test_isolation_reruns_count_as_executions_and_in_metrics(tmp_path: Pat
             *(servable.infer(r, priority=None, timeout_s=None) for r in rows),
             return_exceptions=True,
         )
-        labels = {"model": "col", "version": "1"}  # read before stop() removes the series
+        labels = {
+            "model": "col",
+            "version": "1",
+            "variant": "default",
+        }  # read before stop() removes the series
         retried = metrics.registry.get_sample_value("fulcrum_isolation_dispatches_total", labels)
     finally:
         await servable.stop()

@@ -9,6 +9,7 @@ import numpy as np
 
 from fulcrum.config import ModelConfig
 from fulcrum.errors import ModelError
+from fulcrum.parameters import EchoParameters, decode_parameters
 from fulcrum.types import TensorMap
 
 
@@ -20,11 +21,10 @@ class EchoBackend:
     """
 
     def __init__(self, config: ModelConfig, version_dir: Path | None = None) -> None:
-        params = config.parameters
-        self.latency_a_s = float(params.get("latency_a_ms", 0.0)) / 1000  # type: ignore[arg-type]
-        self.latency_b_s = float(params.get("latency_b_ms", 0.0)) / 1000  # type: ignore[arg-type]
-        fail = params.get("fail_value")
-        self.fail_value = None if fail is None else float(fail)  # type: ignore[arg-type]
+        params = decode_parameters(dict(config.parameters), EchoParameters)
+        self.latency_a_s = params.latency_a_ms / 1000
+        self.latency_b_s = params.latency_b_ms / 1000
+        self.fail_value = params.fail_value
         self.pairs = [(i.name, o.name) for i, o in zip(config.inputs, config.outputs, strict=False)]
         self.batched = config.max_batch_size > 0
         self.num_batches = 0

@@ -13,17 +13,11 @@ import numpy as np
 import onnxruntime as ort
 
 from fulcrum.backends.casting import cast_to
-from fulcrum.backends.params import (
-    Params,
-    get_bool,
-    get_int,
-    get_str,
-    get_str_list,
-    version_file,
-)
+from fulcrum.backends.params import version_file
 from fulcrum.backends.text import TextFrontEnd
 from fulcrum.config import ModelConfig
 from fulcrum.errors import ConfigError, InvalidInput, ModelError
+from fulcrum.parameters import OnnxParameters, decode_parameters
 from fulcrum.types import TensorMap
 
 _OPT_LEVELS = {
@@ -52,26 +46,26 @@ _ORT_TYPES: dict[str, np.dtype[np.generic]] = {
 }
 
 
-def session_options(params: Params) -> ort.SessionOptions:
-    """Validated ORT session options from a model's parameters."""
+def session_options(params: OnnxParameters) -> ort.SessionOptions:
+    """ORT session options from a model's parameters."""
     options = ort.SessionOptions()
-    options.intra_op_num_threads = get_int(params, "intra_op_threads", 0)  # 0: ORT's default
-    options.inter_op_num_threads = get_int(params, "inter_op_threads", 0)
-    level = get_str(params, "graph_optimization_level", "all", choices=list(_OPT_LEVELS))
-    options.graph_optimization_level = _OPT_LEVELS[level]
+    options.intra_op_num_threads = params.intra_op_threads  # 0: ORT's default
+    options.inter_op_num_threads = params.inter_op_threads
+    options.graph_optimization_level = _OPT_LEVELS[params.graph_optimization_level]
     # ORT's pool threads spin-wait for work by default; on a small machine the spinning steals
     # the cores the event loop and the other models need, so spinning is opt-in.
-    spin = "1" if get_bool(params, "allow_spinning", False) else "0"
+    spin = "1" if params.allow_spinning else "0"
     options.add_session_config_entry("session.intra_op.allow_spinning", spin)
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
     return options
 
 
-def execution_providers(params: Params) -> list[str]:
+def execution_providers(params: OnnxParameters) -> list[str]:
     """The configured providers, or CUDA (when this onnxruntime has it) then CPU."""
     available = ort.get_available_providers()
     default = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-    providers = get_str_list(params, "execution_providers", default)
+    chosen = params.execution_providers
+    providers = default if chosen is None else list(chosen)
     missing = [p for p in providers if p not in available]
     if missing or not providers:
         raise ConfigError(
@@ -85,8 +79,8 @@ class OnnxBackend:
     """Runs an ONNX graph with ONNX Runtime; parameters are validated at load."""
 
     def __init__(self, config: ModelConfig, version_dir: Path) -> None:
-        params = config.parameters
-        path = version_file(version_dir, get_str(params, "model_file", "model.onnx"), "model_file")
+        params = decode_parameters(dict(config.parameters), OnnxParameters)
+        path = version_file(version_dir, params.model_file, "model_file")
         if not path.is_file():
             raise ConfigError(f"model {config.name!r}: no model file {path}")
         options = session_options(params)
@@ -100,7 +94,7 @@ class OnnxBackend:
         self.graph_types = {i.name: _ort_dtype(i.type, i.name) for i in self.session.get_inputs()}
         self._check_inputs(config)
         self.output_names = self._output_names(config)
-        self.bucket_rows = get_int(params, "length_bucket_rows", 0)
+        self.bucket_rows = params.length_bucket_rows
         if self.bucket_rows and (self.front is None or _has_dynamic_output(config)):
             raise ConfigError(
                 f"parameter 'length_bucket_rows' = {self.bucket_rows}: needs a [tokenizer] and "
@@ -171,9 +165,13 @@ class OnnxBackend:
         tensors = dict(inputs)
         if self.front is not None:
             text_name = self.front.spec.input
-            if text_name not in tensors:
+            # Pre-encoded token tensors are taken too (as the torch backend does): `fulcrum
+            # profile` times the tokenizer apart from the graph. Requests never carry them:
+            # the protocol refuses inputs the config does not declare.
+            if text_name in tensors:
+                tensors.update(self.front.encode(tensors.pop(text_name)))
+            elif not set(self.front.output_names) <= tensors.keys():
                 raise InvalidInput(f"model {self.name!r}: missing input {text_name!r}")
-            tensors.update(self.front.encode(tensors.pop(text_name)))
         feeds: TensorMap = {}
         for name, array in tensors.items():
             graph_dtype = self.graph_types.get(name)

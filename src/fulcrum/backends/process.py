@@ -20,11 +20,11 @@ from pathlib import Path
 
 from fulcrum import errors
 from fulcrum.backends import shm
-from fulcrum.backends.params import get_float, get_int
 from fulcrum.backends.python import PythonBackend
 from fulcrum.backends.restart_budget import RestartBudget
 from fulcrum.config import ModelConfig
 from fulcrum.errors import FulcrumError, ModelError, Unavailable
+from fulcrum.parameters import PythonParameters, decode_parameters
 from fulcrum.types import Clock, MonotonicClock, TensorMap
 
 logger = logging.getLogger(__name__)
@@ -160,16 +160,16 @@ class ProcessBackend:
     def __init__(
         self, config: ModelConfig, version_dir: Path, *, clock: Clock | None = None
     ) -> None:
-        params = config.parameters
+        params = decode_parameters(dict(config.parameters), PythonParameters)
         self.name = config.name
         self._config = config
         self._version_dir = version_dir
-        self._start_timeout_s = get_float(params, "process_start_timeout_s", 300.0)
+        self._start_timeout_s = params.process_start_timeout_s
         # 0: none. A hung thread cannot be stopped; a hung process can be killed and replaced.
-        self._execute_timeout_s = get_float(params, "execute_timeout_s", 0.0) or None
+        self._execute_timeout_s = params.execute_timeout_s or None
         self._budget = RestartBudget(
-            get_int(params, "max_restarts", 5),
-            get_float(params, "restart_window_s", 60.0),
+            params.max_restarts,
+            params.restart_window_s,
             clock or MonotonicClock(),
         )
         self._closed = False

@@ -27,13 +27,12 @@ from typing import Any
 import numpy as np
 
 from fulcrum.backends import Backend
-from fulcrum.backends.params import get_str, version_file
+from fulcrum.backends.params import version_file
 from fulcrum.config import ModelConfig
 from fulcrum.datatypes import to_numpy
 from fulcrum.errors import ConfigError, FulcrumError, ModelError
+from fulcrum.parameters import PythonParameters, decode_parameters
 from fulcrum.types import Array, TensorMap
-
-ISOLATIONS = ("thread", "process")
 
 # Each load gets its own module name, so two versions of one model never share module state.
 _load_ids = itertools.count()
@@ -41,8 +40,8 @@ _load_ids = itertools.count()
 
 def load_python_backend(config: ModelConfig, version_dir: Path) -> Backend:
     """The factory for platform "python": in-thread or in its own process, per `isolation`."""
-    isolation = get_str(config.parameters, "isolation", "thread", choices=ISOLATIONS)
-    if isolation == "process":
+    params = decode_parameters(dict(config.parameters), PythonParameters)
+    if params.isolation == "process":
         from fulcrum.backends.process import ProcessBackend  # lazily: it imports this module
 
         return ProcessBackend(config, version_dir)
@@ -53,9 +52,9 @@ class PythonBackend:
     """Runs a user-written model class; its exceptions become `ModelError`."""
 
     def __init__(self, config: ModelConfig, version_dir: Path) -> None:
-        params = config.parameters
-        path = version_file(version_dir, get_str(params, "module", "model.py"), "module")
-        class_name = get_str(params, "class", "Model")
+        params = decode_parameters(dict(config.parameters), PythonParameters)
+        path = version_file(version_dir, params.module, "module")
+        class_name = params.class_
         self.name = config.name
         self.config = config
         self.output_names = [spec.name for spec in config.outputs]

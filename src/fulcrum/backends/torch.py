@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fulcrum.backends.casting import cast_to
-from fulcrum.backends.params import get_bool, get_int, get_str, version_file
+from fulcrum.backends.params import version_file
 from fulcrum.backends.text import TextFrontEnd
 from fulcrum.config import ModelConfig
 from fulcrum.datatypes import to_numpy
 from fulcrum.errors import ConfigError, InvalidInput, ModelError
 from fulcrum.extras import check_torch_version, release
+from fulcrum.parameters import TorchParameters, decode_parameters
 from fulcrum.types import TensorMap
 
 if TYPE_CHECKING:
@@ -42,15 +43,12 @@ class TorchBackend:
         import torch
 
         check_torch_version(torch.__version__, extra="torch", feature=f"serving '{config.name}'")
-        params = config.parameters
+        params = decode_parameters(dict(config.parameters), TorchParameters)
         self.name = config.name
-        self.device = torch.device(_device(get_str(params, "device", _default_device())))
-        num_threads = get_int(params, "num_threads", 0)
-        if num_threads:
-            torch.set_num_threads(num_threads)  # process-wide: torch has one intra-op pool
-        path = _model_path(config, version_dir)
-        allow_pickle = get_bool(params, "allow_pickle", False)
-        self.module = _load(path, self.device, allow_pickle=allow_pickle)
+        self.device = torch.device(_device(params.device or _default_device()))
+        self.num_threads = params.num_threads or _default_threads()
+        path = _model_path(config, version_dir, params.model_file)
+        self.module = _load(path, self.device, allow_pickle=params.allow_pickle)
         self.front = TextFrontEnd(config.tokenizer, version_dir) if config.tokenizer else None
         self.input_names = self._input_names(config)
         self.input_dtypes = {
@@ -77,6 +75,11 @@ class TorchBackend:
         if self.front is not None and self.front.spec.input in tensors:
             tensors.update(self.front.encode(tensors.pop(self.front.spec.input)))
         args = [self._tensor(name, tensors) for name in self.input_names]
+        if torch.get_num_threads() != self.num_threads:
+            # torch's OpenMP pool size is per calling thread once set there: set on this
+            # instance's own thread, it holds for this model alone (not other models, not the
+            # LLM engine), where a set in __init__ would change every thread's default.
+            torch.set_num_threads(self.num_threads)
         try:
             with torch.inference_mode():
                 result = self.module(*args)
@@ -135,9 +138,23 @@ def _device(name: str) -> str:
     return name
 
 
-def _model_path(config: ModelConfig, version_dir: Path) -> Path:
-    if "model_file" in config.parameters:
-        path = version_file(version_dir, get_str(config.parameters, "model_file", ""), "model_file")
+def _default_threads() -> int:
+    """torch's thread count before any model set its own: what a model without `num_threads`
+    runs with, whatever other models chose."""
+    global _DEFAULT_THREADS
+    if _DEFAULT_THREADS is None:
+        import torch
+
+        _DEFAULT_THREADS = torch.get_num_threads()
+    return _DEFAULT_THREADS
+
+
+_DEFAULT_THREADS: int | None = None
+
+
+def _model_path(config: ModelConfig, version_dir: Path, model_file: str) -> Path:
+    if model_file:
+        path = version_file(version_dir, model_file, "model_file")
         if path.suffix not in _FORMATS:
             raise ConfigError(
                 f"parameter 'model_file' = {path.name!r}: expected a TorchScript '.pt' "

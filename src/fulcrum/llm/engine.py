@@ -93,6 +93,7 @@ class AsyncLLMEngine:
         version_dir: Path,
         *,
         version: int = 1,
+        variant: str = "default",
         registry: CollectorRegistry | None = None,
     ) -> AsyncLLMEngine:
         """Build from a `platform = "llm"` model: parameters from config.toml, weights from disk.
@@ -101,7 +102,7 @@ class AsyncLLMEngine:
         from prometheus_client import CollectorRegistry
 
         params = EngineParams.from_parameters(dict(config.parameters))
-        metrics = LLMMetrics(registry or CollectorRegistry(), config.name, version)
+        metrics = LLMMetrics(registry or CollectorRegistry(), config.name, version, variant)
         try:
             engine = LLMEngine.from_checkpoint(version_dir, params, metrics=metrics)
         except BaseException:

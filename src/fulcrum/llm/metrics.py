@@ -22,7 +22,7 @@ _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 _REQUEST_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                       40.0, 50.0, 60.0, 120.0, 240.0)  # fmt: skip
 PREFIX = "fulcrum_llm_"
-_LABELS = ("model", "version")
+_LABELS = ("model", "version", "variant")
 
 
 class _Families:
@@ -63,8 +63,8 @@ class _Families:
                                [*_LABELS, "finished_reason"], registry=registry)  # fmt: skip
         # Guarded by _families_lock: engines of each (model, version), and the finished_reason
         # values each created.
-        self.num_users: dict[tuple[str, str], int] = {}
-        self.reasons: dict[tuple[str, str], set[str]] = {}
+        self.num_users: dict[tuple[str, str, str], int] = {}
+        self.reasons: dict[tuple[str, str, str], set[str]] = {}
 
     def per_model(self) -> tuple[Histogram | Gauge | Counter, ...]:
         """The families labelled by (model, version) only."""
@@ -88,9 +88,11 @@ def _families_of(registry: CollectorRegistry) -> _Families:
 class LLMMetrics:
     """Instruments of one model version's engine; safe to call from the engine thread."""
 
-    def __init__(self, registry: CollectorRegistry, model: str, version: int = 1) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model: str, version: int = 1, variant: str = "default"
+    ) -> None:
         f = self._families = _families_of(registry)
-        labels = self._labels = (model, str(version))
+        labels = self._labels = (model, str(version), variant)
         with _families_lock:
             # Two engines of one version can overlap (a reload of the same version): the series
             # go when the last of them is removed.
