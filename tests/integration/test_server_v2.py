@@ -214,8 +214,9 @@ async def test_statistics_and_metrics(client: httpx.AsyncClient) -> None:
     )
     assert {b["batch_size"] for b in stats["batch_stats"]} <= {2, 4, 6}
     text = (await client.get("/metrics")).text
-    assert 'fulcrum_request_duration_seconds_bucket{le="0.0005",model="echo",variant="default",version="1"}' in text
-    assert 'fulcrum_batch_size_count{model="echo",variant="default",version="1"}' in text
+    labels = 'model="echo",variant="default",version="1"'
+    assert f'fulcrum_request_duration_seconds_bucket{{le="0.0005",{labels}}}' in text
+    assert f"fulcrum_batch_size_count{{{labels}}}" in text
     assert "junk-model-name" not in text
 
 

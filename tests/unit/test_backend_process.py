@@ -278,7 +278,7 @@ def test_a_restart_that_fails_to_load_fails_the_batch_and_counts_as_a_crash(
             ModelError,
             "exited with code 4 while loading",
         ),
-        ("", {"isolation": "fork"}, ConfigError, "'parameters.isolation' = 'fork': expected one of"),
+        ("", {"isolation": "fork"}, ConfigError, "'parameters.isolation' = 'fork': expected one"),
         ("", {"restart_window_s": "1m"}, ConfigError, "'parameters.restart_window_s' = '1m'"),
     ],
 )

@@ -248,5 +248,5 @@ def test_outputs_that_match_the_config_are_served(
 def test_isolation_defaults_to_thread_and_is_checked(tmp_path: Path) -> None:
     write(tmp_path, DOUBLER)
     assert isinstance(create_backend(make_config(), tmp_path), PythonBackend)
-    with pytest.raises(ConfigError, match="'parameters.isolation' = 'fork': expected one of"):
+    with pytest.raises(ConfigError, match=r"'parameters\.isolation' = 'fork': expected one of"):
         create_backend(make_config(isolation="fork"), tmp_path)

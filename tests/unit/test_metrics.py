@@ -77,7 +77,8 @@ def test_a_reload_of_the_same_version_keeps_the_series_until_the_last_lease_goes
     assert gauge(metrics, "fulcrum_queue_depth") == 1.0  # the new one's alone
     new.request_s.observe(0.5)  # its children are still the registry's
     assert metrics.registry.get_sample_value(
-        "fulcrum_request_duration_seconds_count", {"model": "m", "version": "1", "variant": "default"}
+        "fulcrum_request_duration_seconds_count",
+        {"model": "m", "version": "1", "variant": "default"},
     ) == 1.0  # fmt: skip
     new.release()
     assert series_of(metrics) == []
