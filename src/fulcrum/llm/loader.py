@@ -1,5 +1,6 @@
 """Load a Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json and the
-tokenizer/generation configs (eos ids, chat template). Safetensors only: pickle is never read."""
+tokenizer/generation configs (eos ids, chat template). Safetensors only: pickle is never read.
+A `fulcrum quantize` file (`model.int8.safetensors`) is read only when `model_file` names it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from fulcrum.errors import ConfigError
+from fulcrum.llm import quant
 from fulcrum.llm.models import CausalLM, build_model
 
 # Non-parameter tensors some checkpoints carry (causal-mask and RoPE buffers); recomputed here.
@@ -42,14 +44,29 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_checkpoint(directory: Path, *, dtype: str = "float32", device: str = "cpu") -> LoadedLLM:
-    """Build the model for `directory/config.json` and fill it from its safetensors files."""
+def load_checkpoint(
+    directory: Path,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    model_file: str = "",
+    quantization: str = "auto",
+) -> LoadedLLM:
+    """Build the model for `directory/config.json` and fill it from `model_file` ("": every
+    float *.safetensors file, as sharded checkpoints need); `quantization` ("auto": whatever the
+    file's metadata says) must match the file."""
     if dtype not in DTYPES:
         raise ConfigError(f"key 'dtype' = {dtype!r}: expected one of {sorted(DTYPES)}")
     raw_config = read_json(directory / "config.json")
     module = build_model(raw_config)
     model: CausalLM = module  # type: ignore[assignment]
-    _load_weights(module, model, directory)
+    files, found = weight_files(directory, model_file)
+    if quantization not in ("auto", found):
+        raise ConfigError(
+            f"key 'parameters.quantization' = {quantization!r}: {files[0].name} holds {found!r} "
+            f"weights (its {quant.QUANT_KEY!r} metadata); check key 'parameters.model_file'"
+        )
+    _load_weights(module, model, files, quantized=found != quant.NONE)
     module.to(dtype=DTYPES[dtype], device=torch.device(device)).eval()
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
@@ -71,13 +88,36 @@ def load_checkpoint(directory: Path, *, dtype: str = "float32", device: str = "c
     )
 
 
-def _load_weights(module: torch.nn.Module, model: CausalLM, directory: Path) -> None:
-    from safetensors import safe_open
-
-    files = sorted(directory.glob("*.safetensors"))
+def weight_files(directory: Path, model_file: str) -> tuple[list[Path], str]:
+    """The files to read and what they hold ("none": float, or "int8")."""
+    if model_file:
+        path = directory / model_file
+        if not path.is_file():
+            raise ConfigError(
+                f"key 'parameters.model_file' = {model_file!r}: no such file in {directory}"
+            )
+        return [path], quant.file_quantization(path)
+    # A quantized file sits next to the float weights it came from: never mix it in.
+    files = [
+        path
+        for path in sorted(directory.glob("*.safetensors"))
+        if quant.file_quantization(path) == quant.NONE
+    ]
     if not files:
         raise ConfigError(f"{directory}: no *.safetensors weights (pickle files are refused)")
-    params = dict(module.named_parameters())
+    return files, quant.NONE
+
+
+def _load_weights(
+    module: torch.nn.Module, model: CausalLM, files: list[Path], *, quantized: bool
+) -> None:
+    from safetensors import safe_open
+
+    if quantized:  # int8 layers first, so their buffers are there to be filled by name
+        with safe_open(str(files[0]), framework="pt") as handle:
+            layers = quant.scaled_layers(list(handle.keys()))
+        quant.replace_linears(module, layers, quantize=False)
+    params = quant.loadable_tensors(module)
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
@@ -85,18 +125,21 @@ def _load_weights(module: torch.nn.Module, model: CausalLM, directory: Path) -> 
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                     if key.endswith(_IGNORED_SUFFIXES):
                         continue
-                    name = model.checkpoint_name(key)
+                    # Quantized files hold our own names and (out, in) layout already.
+                    name = key if quantized else model.checkpoint_name(key)
                     if name not in params:
                         raise ConfigError(f"{file}: unexpected weight {key!r}")
                     tensor = handle.get_tensor(key)
-                    if name.endswith(model.transposed_weights) and name != "lm_head.weight":
+                    transposed = name.endswith(model.transposed_weights)
+                    if transposed and not quantized and name != "lm_head.weight":
                         tensor = tensor.t()
                     _copy(params[name], tensor, file, key)
                     loaded.add(name)
     # A tied head shares its tensor with the embedding, so named_parameters lists it once.
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ConfigError(f"{directory}: weights missing from the checkpoint: {missing[:5]}")
+        names = ", ".join(f.name for f in files)
+        raise ConfigError(f"{names}: weights missing from the checkpoint: {missing[:5]}")
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, file: Path, key: str) -> None:

@@ -9,11 +9,13 @@ prefill work, which favours throughput and the TTFT of long prompts under light 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from fulcrum.errors import ConfigError
 
 _DTYPES = ("float32", "float16", "bfloat16")
+_QUANTIZATIONS = ("auto", "none", "int8")  # "auto": what the weights file's metadata says
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class EngineParams:
     device: str = "auto"  # "auto": cuda when available, else cpu
     max_model_len: int = 0  # 0: the model's own limit
     drain_timeout_s: float = 10.0  # stop(): how long in-flight requests may finish
+    model_file: str = ""  # "": every float *.safetensors; a variant names model.int8.safetensors
+    quantization: str = "auto"  # "none" / "int8": refuse a weights file that holds otherwise
+    num_threads: int = 0  # torch intra-op threads of this engine's thread; 0: torch's default
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, Any]) -> EngineParams:
@@ -52,7 +57,7 @@ class EngineParams:
         for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"key 'parameters.{key}' = {getattr(self, key)}: must be >= 1")
-        for key in ("num_kv_blocks", "max_model_len"):
+        for key in ("num_kv_blocks", "max_model_len", "num_threads"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"key 'parameters.{key}' = {getattr(self, key)}: must be >= 0")
         if self.kv_cache_memory_mb <= 0:
@@ -68,6 +73,20 @@ class EngineParams:
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ConfigError(
                 f"key 'parameters.device' = {self.device!r}: expected auto, cpu or cuda[:N]"
+            )
+        self._validate_weights()
+
+    def _validate_weights(self) -> None:
+        # A file name inside the version folder: never a path that leads out of it.
+        name = self.model_file
+        if name and (name != Path(name).name or name in (".", "..")):
+            raise ConfigError(f"key 'parameters.model_file' = {name!r}: expected a file name")
+        if name and not name.endswith(".safetensors"):
+            raise ConfigError(f"key 'parameters.model_file' = {name!r}: expected *.safetensors")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ConfigError(
+                f"key 'parameters.quantization' = {self.quantization!r}: "
+                f"expected one of {_QUANTIZATIONS}"
             )
 
     def resolve_device(self) -> str:

@@ -31,6 +31,7 @@ from fulcrum.llm.runner import ModelRunner, num_blocks_for_budget
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.scheduler import ScheduledBatch, Scheduler
 from fulcrum.llm.sequence import FinishReason, Sequence
+from fulcrum.llm.threads import pin_num_threads
 from fulcrum.types import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,13 @@ class LLMEngine:
         cls, directory: Path, params: EngineParams, *, metrics: LLMMetrics | None = None
     ) -> LLMEngine:
         """Load a Hugging Face checkpoint directory and build the engine for it."""
-        loaded = load_checkpoint(directory, dtype=params.dtype, device=params.resolve_device())
+        loaded = load_checkpoint(
+            directory,
+            dtype=params.dtype,
+            device=params.resolve_device(),
+            model_file=params.model_file,
+            quantization=params.quantization,
+        )
         return cls(loaded, params, metrics=metrics)
 
     def encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -213,6 +220,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; outputs of the requests that got a token (or finished) in it."""
+        pin_num_threads(self.params.num_threads)  # whichever thread steps this engine
         batch = self.scheduler.schedule()
         outputs = [] if batch.is_empty else self._run_batch(batch)
         self.update_gauges()

@@ -1,0 +1,168 @@
+"""`fulcrum quantize` for `platform = "llm"` models: int8 weight-only (per-output-channel
+symmetric) projections written to `model.int8.safetensors` next to the float weights, selected by
+the variant's `model_file` and `quantization` parameters. Fidelity: teacher-forced greedy-token
+agreement and the perplexity ratio (`fulcrum.tuning.llm_fidelity`); speed: time per output token
+of one sequence and output throughput at a fixed number of sequences, through the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fulcrum.config import ModelConfig, ParamValue
+from fulcrum.errors import ConfigError, ModelError
+from fulcrum.tuning.fidelity import Fidelity
+from fulcrum.tuning.quantize import QuantizeJob, Speed, VariantFile
+
+if TYPE_CHECKING:
+    import torch
+
+    from fulcrum.llm.loader import LoadedLLM
+    from fulcrum.llm.params import EngineParams
+    from fulcrum.tuning.llm_fidelity import LlmFidelity
+    from fulcrum.tuning.profile import ProfileOptions
+
+INT8_FILE = "model.int8.safetensors"
+FIDELITY_METRIC = "token_agreement"
+CONCURRENCY = 8  # sequences at once for the throughput figure (unless --batch-sizes names one)
+PROMPT_TOKENS = 32  # each measured sequence: this prompt, then OUTPUT_TOKENS greedy tokens
+OUTPUT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class LlmFidelityOptions:
+    """The prompts and text the fidelity is measured on (from the shipped English corpus)."""
+
+    num_prompts: int = 8
+    prompt_words: int = 8
+    continuation_tokens: int = 32
+    chunk_tokens: int = 128
+    max_chunks: int = 8
+    include_lm_head: bool = False  # the head is the most sensitive layer: float unless asked
+
+
+class LlmQuantizer:
+    """The `Quantizer` of `fulcrum.tuning.quantize` for the LLM engine."""
+
+    supported: tuple[str, ...] = ("int8",)
+    default_model_file = "model.safetensors"
+
+    def __init__(self, options: LlmFidelityOptions | None = None) -> None:
+        self.options = options or LlmFidelityOptions()
+
+    def write(self, job: QuantizeJob, precision: str) -> VariantFile:
+        """Quantize the reference's float32 weights, write the file, and measure its fidelity
+        against the reference (both at the serving dtype) in the same run."""
+        if precision not in self.supported:
+            raise ConfigError(f"precision {precision!r}: the LLM engine writes {self.supported}")
+        from fulcrum.llm import quant
+        from fulcrum.llm.loader import load_checkpoint
+
+        params = _engine_params(job.config)
+        source = load_checkpoint(
+            job.version_dir,
+            model_file=params.model_file,
+            quantization=params.quantization,
+        )
+        module: torch.nn.Module = source.model  # type: ignore[assignment]
+        if any(isinstance(m, quant.Int8Linear) for m in module.modules()):
+            raise ConfigError(f"variant {job.reference!r} is already int8: quantize a float one")
+        names = quant.quantizable_linears(module, include_lm_head=self.options.include_lm_head)
+        quant.replace_linears(module, names, quantize=True)
+        path = job.version_dir / INT8_FILE
+        quant.save_quantized(module, path, source=params.model_file or "*.safetensors")
+        parameters: dict[str, ParamValue] = {
+            "model_file": INT8_FILE,
+            "quantization": "int8",
+        }
+        found = self._compare(job, {**job.config.parameters, **parameters})
+        notes = (
+            f"{len(names)} linear layers int8 (per-channel symmetric); embeddings, norms"
+            f"{'' if 'lm_head' in names else ', LM head'} float",
+            f"fidelity: teacher-forced greedy-token agreement at {found.num_tokens} positions "
+            f"({self.options.num_prompts} prompts), worst prompt {found.worst_prompt:.3f}",
+            f"perplexity ratio {found.perplexity_ratio:.4f} (int8 {found.perplexity_variant:.2f}"
+            f" / float {found.perplexity_reference:.2f} on {found.num_text_tokens} tokens)",
+            "latency = time per output token of 1 sequence; throughput = sequences/s at "
+            f"{CONCURRENCY} at once unless --batch-sizes names a count ({PROMPT_TOKENS}-token "
+            f"prompts, {OUTPUT_TOKENS} new tokens each)",
+        )
+        fidelity = Fidelity(found.agreement, FIDELITY_METRIC, worst_row=found.worst_prompt)
+        return VariantFile(precision, parameters, (path,), notes=notes, fidelity=fidelity)
+
+    def fidelity(self, job: QuantizeJob, variant: ModelConfig) -> Fidelity:
+        found = self._compare(job, dict(variant.parameters))
+        return Fidelity(found.agreement, FIDELITY_METRIC, worst_row=found.worst_prompt)
+
+    def measure(self, job: QuantizeJob, config: ModelConfig, options: ProfileOptions) -> Speed:
+        """TPOT of one sequence alone and throughput at a fixed number of sequences."""
+        from fulcrum.tuning.profile_llm import LlmProfileOptions, measure_llm
+
+        concurrency = max(options.batch_sizes) if options.batch_sizes else CONCURRENCY
+        llm_options = LlmProfileOptions(
+            batch_sizes=tuple(sorted({1, concurrency})),
+            prompt_tokens=PROMPT_TOKENS,
+            output_tokens=OUTPUT_TOKENS,
+            warmup=max(1, options.warmup),
+            repeats=options.repeats,
+            max_seconds_per_point=options.max_seconds_per_point,
+            stop_at_knee=False,
+            seed=options.seed,
+        )
+        result = measure_llm(config, job.version_dir, llm_options)
+        point = next((p for p in result.points if p.batch_size == concurrency), None)
+        if point is None:
+            raise ModelError(f"{concurrency} sequences could not be measured: {result.notes}")
+        return Speed(result.tpot_ms_b1, concurrency, point.throughput_rps, result.machine)
+
+    def _compare(self, job: QuantizeJob, variant_parameters: dict[str, object]) -> LlmFidelity:
+        from fulcrum.llm.loader import load_checkpoint
+        from fulcrum.tuning.llm_fidelity import compare_llms
+
+        ref_params = _engine_params(job.config)
+        var_params = _engine_params_from(dict(variant_parameters))
+        loaded: list[LoadedLLM] = [
+            load_checkpoint(
+                job.version_dir,
+                dtype=p.dtype,
+                device=p.resolve_device(),
+                model_file=p.model_file,
+                quantization=p.quantization,
+            )
+            for p in (ref_params, var_params)
+        ]
+        prompts, text = self._samples(loaded[0])
+        return compare_llms(
+            loaded[0],
+            loaded[1],
+            ref_params,
+            prompts,
+            text,
+            num_tokens=self.options.continuation_tokens,
+        )
+
+    def _samples(self, loaded: LoadedLLM) -> tuple[list[list[int]], list[list[int]]]:
+        """Prompts (the first words of the corpus's lines) and the corpus as scored text."""
+        from fulcrum.llm.example_corpus import CORPUS
+        from fulcrum.tuning.llm_fidelity import text_chunks
+
+        opts = self.options
+        lines = [line.split() for line in CORPUS.splitlines() if len(line.split()) > 1]
+        heads = [" ".join(words[: opts.prompt_words]) for words in lines[: opts.num_prompts]]
+        prompts = [loaded.tokenizer.encode(h).ids for h in heads]
+        limit = loaded.max_model_len
+        chunk = min(opts.chunk_tokens, limit)
+        ids = list(loaded.tokenizer.encode(CORPUS).ids)
+        return [p[: limit - opts.continuation_tokens] for p in prompts], text_chunks(
+            ids, chunk, opts.max_chunks
+        )
+
+
+def _engine_params(config: ModelConfig) -> EngineParams:
+    return _engine_params_from(dict(config.parameters))
+
+
+def _engine_params_from(parameters: dict[str, object]) -> EngineParams:
+    from fulcrum.llm.params import EngineParams
+
+    return EngineParams.from_parameters(parameters)
