@@ -88,6 +88,7 @@ def test_refuses_a_config_that_breaks_the_slo_and_applies_one_that_meets_it(
     current = result.trials[0]
     assert current.phase == "current" and current.changes == {}
     assert not current.feasible and "p99=60ms broken" in current.reasons[0]
+    assert result.confirmation == []  # nothing to confirm against a config that breaks the SLO
     winner = result.trial(result.winner)
     assert winner is not None and winner.feasible and winner.figures is not None
     assert winner.figures.latency_ms <= 60.0
@@ -130,7 +131,7 @@ def test_batching_beats_the_default_and_the_server_is_restored(
     options = TuneOptions(
         model="alone", repository=repo, url=url, slos=("p99=100ms",),
         only=("max_batch_size",), budget_trials=5, search_start_rps=40.0, search_steps=4,
-        **SHORT,
+        confirm_rounds=1, **SHORT,
     )  # fmt: skip
     result = run_tune(options, echo=False)
     current = result.trials[0]
@@ -142,6 +143,9 @@ def test_batching_beats_the_default_and_the_server_is_restored(
     # Batching holds at least 1.5x the rate of one request at a time (the model says ~3x).
     assert winner.figures.goodput_rps >= 1.5 * current.figures.goodput_rps
     assert [t.candidate.max_batch_size for t in result.trials[1:]] == [1, 2, 4, 8]
+    # Re-measured once more each, in alternation, the gain held.
+    assert sorted(c.trial for c in result.confirmation) == [0, winner.index]
+    assert all(len(c.goodputs) == 2 for c in result.confirmation)
     # Without --apply the file is untouched and the server serves it again: no batcher.
     assert "+[dynamic_batching]" in result.diff and not result.applied
     assert (repo / "alone" / "config.toml").read_text() == before

@@ -429,3 +429,42 @@ def test_slos_the_run_cannot_judge_are_refused_up_front() -> None:
     check_slos([parse_slo("ttft:p99=200ms"), parse_slo("tpot<=50ms")], llm=True)
     with pytest.raises(InvalidInput, match="must be > 0"):
         measurer(rate_rps=0.0)
+
+
+class LuckyOnce(FakeModel):
+    """The search's one measurement of batch 2 is lucky (3x); measured again, it is no better
+    than the current config: the noise a shared machine gives."""
+
+    def __init__(self) -> None:
+        super().__init__(knee=1)
+        self.lucky = True
+
+    def goodput(self, c: Candidate) -> float:
+        base = super().goodput(c)
+        if c.max_batch_size == 2 and c.threads == 2 and self.lucky:
+            self.lucky = False
+            return base * 3
+        return base
+
+
+async def test_a_gain_that_does_not_survive_re_measuring_keeps_the_current_config() -> None:
+    from fulcrum.tuning.tune import _confirmed
+
+    model = LuckyOnce()
+    search = TuneSearch(plan(), model)
+    await search._try(CURRENT, "current")
+    await search._try(msgspec.structs.replace(CURRENT, max_batch_size=2), "max_batch_size")
+    winner = search.best()
+    assert winner is not None and winner.index == 1  # the lucky run won the search
+    confirmation = await search.confirm(winner, rounds=2)
+    by_trial = {c.trial: c for c in confirmation}
+    assert by_trial[1].goodputs == [300.0, 100.0, 100.0]
+    assert by_trial[0].goodputs == [100.0, 100.0, 100.0]
+    # Re-measured in alternation: current, winner, current, winner.
+    assert [c.max_batch_size for c, _ in model.measured[-4:]] == [1, 2, 1, 2]
+    stays = _confirmed(search, winner, confirmation, ObjectiveSpec())
+    assert stays.index == 0  # medians 100 vs 100: only the lucky run favoured the change
+    assert "did not survive re-measuring" in search.notes[-1]
+    real = [c if c.trial == 0 else msgspec.structs.replace(c, goodputs=[300.0, 150.0, 140.0])
+            for c in confirmation]  # fmt: skip
+    assert _confirmed(search, winner, real, ObjectiveSpec()).index == 1  # smaller, but real

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,18 @@ class Measurer(Protocol):
     async def measure(
         self, candidate: Candidate, changes: dict[str, object], *, start_rate_rps: float | None
     ) -> Measured: ...
+
+
+class Confirmation(msgspec.Struct, frozen=True, kw_only=True):
+    """A trial's goodput measured again after the search: the search measured each candidate
+    once, and on a noisy machine one lucky (or unlucky) run can crown a winner."""
+
+    trial: int
+    goodputs: list[float]  # the search's figure first, then each re-measurement (0: failed)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.goodputs)
 
 
 TrialCallback = Callable[[Trial], None]
@@ -151,6 +164,20 @@ class TuneSearch:
                 break
         return True
 
+    async def confirm(self, winner: Trial, rounds: int) -> list[Confirmation]:
+        """Re-measure the current config (trial 0) and `winner` in alternation, `rounds` times
+        each, so both see the same stretch of the machine's noise."""
+        current = self.trials[0]
+        samples = {t.index: [_goodput(t.figures, t.reasons)] for t in (current, winner)}
+        for _ in range(rounds):
+            for trial in (current, winner):
+                hint = trial.figures.rate_rps if trial.figures is not None else None
+                measured = await self.measurer.measure(
+                    trial.candidate, trial.changes, start_rate_rps=hint
+                )
+                samples[trial.index].append(_goodput(measured.figures, measured.reasons))
+        return [Confirmation(trial=index, goodputs=values) for index, values in samples.items()]
+
     async def _try(self, candidate: Candidate, phase: str) -> Trial | None:
         """Measure `candidate` unless it was already (its trial), or the budget is spent (None)."""
         if candidate in self._seen:
@@ -190,6 +217,7 @@ class TuneOptions(msgspec.Struct, frozen=True, kw_only=True):
     spec: ObjectiveSpec = ObjectiveSpec()
     scenario: Scenario | None = None
     budget_trials: int = 16
+    confirm_rounds: int = 2  # re-measurements of trial 0 and the winner; 0: none
     num_cores: int = 0  # 0: this machine's
     only: tuple[str, ...] = ()  # sweep only these dimensions
     point_s: float = 3.0  # measured seconds per load point
@@ -222,6 +250,7 @@ class TuneResult(msgspec.Struct, kw_only=True):
     winner: int | None  # trial index; None: no trial met the constraints
     pareto: list[int]
     notes: list[str]
+    confirmation: list[Confirmation] = []  # trial 0 and the search's winner, re-measured
     diff: str = ""  # the winner against config.toml ("" when the file config won)
     applied: bool = False
     started_at: str = ""
@@ -283,9 +312,13 @@ async def run_tune_async(
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     measurer = LiveMeasurer.from_options(options, config)
     search = TuneSearch(plan, measurer, on_trial=on_trial)
+    confirmation: list[Confirmation] = []
     try:
         trials = await search.run()
         winner = search.best()
+        if winner is not None and options.confirm_rounds > 0 and _comparable(search, winner):
+            confirmation = await search.confirm(winner, options.confirm_rounds)
+            winner = _confirmed(search, winner, confirmation, options.spec)
         changes = winner.changes if winner is not None else {}
         edit = edit_config(config_path, set_values(changes), write=options.apply and bool(changes))
     except BaseException:
@@ -309,7 +342,42 @@ async def run_tune_async(
         winner=None if winner is None else winner.index,
         pareto=[t.index for t in pareto_front(trials)],
         notes=search.notes,
+        confirmation=confirmation,
         diff=edit.diff,
         applied=options.apply and edit.changed,
         started_at=started_at,
     )
+
+
+def _goodput(figures: TrialFigures | None, reasons: tuple[str, ...]) -> float:
+    return figures.goodput_rps if figures is not None and not reasons else 0.0
+
+
+def _comparable(search: TuneSearch, winner: Trial) -> bool:
+    """Whether re-measuring can overturn the winner: it beat a current config that meets the
+    constraints, on goodput (goodput and cost rank alike; the score weighs latency too)."""
+    current = search.trials[0]
+    return (
+        winner.index != current.index
+        and search.plan.spec.objective != "score"
+        and not current.reasons
+        and current.figures is not None
+    )
+
+
+def _confirmed(
+    search: TuneSearch, winner: Trial, confirmation: list[Confirmation], spec: ObjectiveSpec
+) -> Trial:
+    """The winner, unless its goodput gain over a current config that meets the constraints did
+    not survive re-measuring both (medians within the tie margin): then the current config
+    stays, since a change that only noise favoured is not worth applying."""
+    current = search.trials[0]
+    medians = {c.trial: c.median for c in confirmation}
+    if medians[winner.index] > medians[current.index] * (1 + spec.tie_pct / 100):
+        return winner
+    search.notes.append(
+        f"trial {winner.index}'s gain did not survive re-measuring: median goodput "
+        f"{medians[winner.index]:.1f} vs the current config's {medians[current.index]:.1f} "
+        f"requests/s (within {spec.tie_pct:g}%, or below): the current config stays"
+    )
+    return current

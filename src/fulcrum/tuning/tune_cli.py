@@ -65,6 +65,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tie", type=float, default=2.0, help="percent of goodput counted as noise")
     p.add_argument("--scenario", choices=SCENARIOS, help="start from a preset")
     p.add_argument("--budget-trials", type=int, default=16, help="configs measured at most")
+    p.add_argument("--confirm", type=int, default=2, metavar="ROUNDS",
+                   help="re-measure the current config and the winner ROUNDS times each, "
+                   "alternating; the winner must still beat it (0: trust the search)")  # fmt: skip
     p.add_argument("--only", type=_names, default=(), help=f"sweep only: {','.join(DIMENSIONS)}")
     p.add_argument("--cores", type=int, default=0, help="the server's cores (default: this one's)")
     p.add_argument("--apply", action="store_true", help="write the winner into config.toml")
@@ -105,7 +108,8 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
     return TuneOptions(
         model=args.model, repository=args.repository, url=args.url, slos=slo_list(args.slo),
         rate_rps=args.rate, max_fidelity_loss=args.max_fidelity_loss, spec=spec,
-        scenario=args.scenario, budget_trials=args.budget_trials, num_cores=args.cores,
+        scenario=args.scenario, budget_trials=args.budget_trials,
+        confirm_rounds=max(0, args.confirm), num_cores=args.cores,
         only=args.only, point_s=args.point_seconds, warmup_s=args.warmup,
         search_start_rps=args.search_start, search_steps=args.search_steps,
         v2=V2Inputs(batch_size=args.batch_size, lengths=lengths, input_file=args.input_file,

@@ -130,7 +130,18 @@ def why_text(result: TuneResult) -> str:
     if result.skipped_variants:
         left = "; ".join(f"{k}: {v}" for k, v in result.skipped_variants.items())
         lines.append(f"Variants not tried: {left}.")
+    lines.extend(_confirmation_text(result))
     return " ".join(line for line in lines if line)
+
+
+def _confirmation_text(result: TuneResult) -> list[str]:
+    if not result.confirmation:
+        return []
+    parts = [
+        f"trial {c.trial} {_fmt(c.median, 1)} (" + ", ".join(_fmt(g, 1) for g in c.goodputs) + ")"
+        for c in result.confirmation
+    ]
+    return [f"Goodput re-measured in alternation, median (each run): {'; '.join(parts)}."]
 
 
 def _knockouts(result: TuneResult) -> str:
