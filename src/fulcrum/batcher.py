@@ -16,10 +16,20 @@ from typing import cast
 
 from fulcrum.collate import Collator
 from fulcrum.config import ModelConfig
-from fulcrum.errors import DeadlineExceeded, FulcrumError, ModelError, Unavailable
+from fulcrum.errors import DeadlineExceeded, FulcrumError, ModelError, Shed, Unavailable
 from fulcrum.isolation import isolate, may_rerun, shared_error
-from fulcrum.policy import BatchPolicy, Pending, PendingQueue, TritonPolicy, compat_key
+from fulcrum.policy import (
+    BatchPolicy,
+    BatchRecord,
+    Pending,
+    PendingQueue,
+    Plan,
+    compat_key,
+    make_policy,
+)
 from fulcrum.types import Clock, MonotonicClock, TensorMap
+
+__all__ = ["BatchRecord", "DynamicBatcher", "InferResult"]
 
 _logger = logging.getLogger(__name__)
 
@@ -34,22 +44,6 @@ class InferResult:
     queue_s: float  # submit -> dispatch of the batch that answered it
     compute_s: float  # the dispatch call of that batch
     batch_size: int  # rows in that batch
-
-
-@dataclass(frozen=True, slots=True)
-class BatchRecord:
-    """What one batch did, its re-runs included; handed to `on_batch` (metrics, policies)."""
-
-    batch_size: int
-    num_requests: int
-    compute_s: float  # the first dispatch
-    queue_s: list[float]
-    failed: bool  # the first dispatch (or splitting its outputs) failed
-    num_retried_dispatches: int = 0  # extra dispatches made to isolate a failure
-    num_isolated_failures: int = 0  # requests that failed again when re-run apart
-    retry_compute_s: float = 0.0  # time those extra dispatches took
-    # (rows, compute_s) of each extra dispatch that succeeded: executions like any other
-    retried_batches: tuple[tuple[int, float], ...] = ()
 
 
 class _Request(Pending):
@@ -88,16 +82,10 @@ class _Tally:
 
     def record(self) -> BatchRecord:
         return BatchRecord(
-            self.num_rows,
-            self.num_requests,
-            self.compute_s,
-            self.queue_s,
-            self.failed,
-            self.num_retried_dispatches,
-            self.num_isolated_failures,
-            self.retry_compute_s,
+            self.num_rows, self.num_requests, self.compute_s, self.queue_s, self.failed,
+            self.num_retried_dispatches, self.num_isolated_failures, self.retry_compute_s,
             tuple(self.retried_batches),
-        )
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +113,7 @@ class DynamicBatcher:
     ) -> None:
         self._config = config
         self._dispatch = dispatch
-        self._policy: BatchPolicy = policy or TritonPolicy(config)
+        self._policy: BatchPolicy = policy or make_policy(config)
         self._clock: Clock = clock or MonotonicClock()
         self._max_batches = max_concurrent_batches or config.instances.count
         self._on_batch = on_batch
@@ -154,6 +142,11 @@ class DynamicBatcher:
     def num_in_flight(self) -> int:
         """Requests in batches being run."""
         return self._num_in_flight
+
+    @property
+    def policy(self) -> BatchPolicy:
+        """The batch policy (its `state()` feeds the statistics API and metrics)."""
+        return self._policy
 
     @property
     def is_healthy(self) -> bool:
@@ -235,6 +228,7 @@ class DynamicBatcher:
             if self._num_batches < self._max_batches:
                 plan = self._policy.plan(queue, now)
                 self._reject(plan.reject, now)
+                self._shed(plan)
                 if plan.run:
                     self._launch(cast("Sequence[_Request]", plan.run))
                     continue
@@ -366,6 +360,12 @@ class DynamicBatcher:
                     DeadlineExceeded(f"request timed out after {waited_s:.3f} s in the queue")
                 )
 
+    def _shed(self, plan: Plan) -> None:
+        if plan.shed:
+            drain_s = plan.retry_after_s
+            why = f"it cannot finish within its deadline (queue drains in {drain_s:.3f} s)"
+            _fail(cast("list[_Request]", plan.shed), Shed(why, retry_after_s=drain_s))
+
     def _fail_queued(self, error: FulcrumError) -> None:
         _fail(cast("list[_Request]", self._queue.drain()), error)
 
@@ -374,12 +374,12 @@ class DynamicBatcher:
             self._drained.set()
 
     def _record(self, record: BatchRecord) -> None:
-        if self._on_batch is None:
-            return
         try:
-            self._on_batch(record)
+            self._policy.observe(record)
+            if self._on_batch is not None:
+                self._on_batch(record)
         except Exception:
-            _logger.exception("batcher %s: on_batch callback failed", self._config.name)
+            _logger.exception("batcher %s: observe or on_batch failed", self._config.name)
 
 
 def _fail(requests: Sequence[_Request], error: FulcrumError) -> None:

@@ -51,7 +51,9 @@ class VersionPolicy(_Frozen, frozen=True):
 class QueuePolicy(_Frozen, frozen=True):
     """Triton's per-priority-level queue policy."""
 
-    max_queue_size: int = 0  # 0: unbounded
+    # None: a finite bound the policy derives (see fulcrum.policy.default_queue_bound and the
+    # adaptive policy); 0 (Triton's meaning) or -1: unbounded, the old behaviour.
+    max_queue_size: int | None = None
     default_timeout_ms: float = 0.0  # 0: no timeout
     timeout_action: Literal["reject", "delay"] = "reject"
     allow_timeout_override: bool = True
@@ -66,6 +68,21 @@ class DynamicBatching(_Frozen, frozen=True):
     default_priority_level: int = 0  # 0: the lowest level
     default_queue_policy: QueuePolicy = QueuePolicy()
     priority_queue_policy: dict[str, QueuePolicy] = {}
+    policy: Literal["triton", "adaptive"] = "triton"
+    slo_p99_ms: float = 0.0  # 0: none; adaptive needs one
+    # Share of the SLO one batch's run time may take: a request that arrives just after a batch
+    # left waits for it and then for its own, so 0.5 keeps both within the SLO.
+    slo_batch_fraction: float = 0.5
+    profile: Literal["", "realtime", "throughput", "mixed"] = ""
+
+
+# What each scenario profile sets when the model's file leaves the key out (see README).
+PROFILES: dict[str, dict[str, object]] = {
+    "realtime": {"policy": "adaptive", "max_queue_delay_ms": 0.0, "slo_batch_fraction": 0.25},
+    "throughput": {"max_queue_delay_ms": 5.0, "slo_batch_fraction": 1.0},
+    "mixed": {"policy": "adaptive", "max_queue_delay_ms": 0.0, "slo_batch_fraction": 0.5},
+}
+THROUGHPUT_QUEUE_FACTOR = 256  # "deep queue": rows waiting per max batch per instance
 
 
 class Instances(_Frozen, frozen=True):
@@ -178,10 +195,34 @@ def load_model_config(path: Path, *, dir_name: str | None = None) -> ModelConfig
             raise ConfigError(f"{shown}: key 'name' = {config.name!r} differs from its folder")
         config = msgspec.structs.replace(config, name=dir_name)
     try:
+        config = apply_profile(config, batching_keys_given(msgspec.toml.decode(raw)))
         validate(config)
     except ConfigError as exc:
         raise ConfigError(f"{shown}: {exc.message}") from exc
     return config
+
+
+def apply_profile(config: ModelConfig, given: frozenset[str]) -> ModelConfig:
+    """Fill the `[dynamic_batching]` keys not in `given` from the model's scenario profile."""
+    batching = config.dynamic_batching
+    if batching is None or not batching.profile:
+        return config
+    preset = {k: v for k, v in PROFILES[batching.profile].items() if k not in given}
+    if batching.profile == "throughput":
+        if "policy" not in given and batching.slo_p99_ms > 0:
+            preset["policy"] = "adaptive"
+        queue = batching.default_queue_policy
+        if queue.max_queue_size is None:
+            deep = THROUGHPUT_QUEUE_FACTOR * config.max_batch_size * config.instances.count
+            preset["default_queue_policy"] = msgspec.structs.replace(queue, max_queue_size=deep)
+    batching = msgspec.structs.replace(batching, **preset)
+    return msgspec.structs.replace(config, dynamic_batching=batching)
+
+
+def batching_keys_given(document: dict[str, object]) -> frozenset[str]:
+    """The `[dynamic_batching]` keys a config document (a file, a load override) sets itself."""
+    table = document.get("dynamic_batching")
+    return frozenset(table) if isinstance(table, dict) else frozenset()
 
 
 def _describe(exc: msgspec.ValidationError) -> str:
@@ -281,6 +322,7 @@ def _validate_batching(batching: DynamicBatching, max_batch_size: int) -> None:
             f"key 'dynamic_batching.preferred_batch_sizes' = {bad}: "
             f"must lie in 1..max_batch_size ({max_batch_size})"
         )
+    _validate_slo(batching)
     levels = batching.priority_levels
     if levels < 1:
         raise ConfigError(f"key 'dynamic_batching.priority_levels' = {levels}: must be >= 1")
@@ -298,9 +340,29 @@ def _validate_batching(batching: DynamicBatching, max_batch_size: int) -> None:
     _validate_queue_policy("dynamic_batching.default_queue_policy", batching.default_queue_policy)
 
 
+def _validate_slo(batching: DynamicBatching) -> None:
+    if not 0 <= batching.slo_p99_ms <= MAX_DELAY_MS:
+        raise ConfigError(
+            f"key 'dynamic_batching.slo_p99_ms' = {batching.slo_p99_ms}: "
+            f"must lie in 0..{MAX_DELAY_MS:g}"
+        )
+    if batching.policy == "adaptive" and not batching.slo_p99_ms > 0:
+        why = f" (profile {batching.profile!r})" if batching.profile else ""
+        raise ConfigError(
+            f"key 'dynamic_batching.slo_p99_ms' = {batching.slo_p99_ms}: policy 'adaptive'{why} "
+            "needs a latency target > 0"
+        )
+    if not 0 < batching.slo_batch_fraction <= 1:
+        raise ConfigError(
+            f"key 'dynamic_batching.slo_batch_fraction' = {batching.slo_batch_fraction}: "
+            "must lie in (0, 1]"
+        )
+
+
 def _validate_queue_policy(key: str, policy: QueuePolicy) -> None:
-    if policy.max_queue_size < 0:
-        raise ConfigError(f"key '{key}.max_queue_size' = {policy.max_queue_size}: must be >= 0")
+    size = policy.max_queue_size
+    if size is not None and size < -1:
+        raise ConfigError(f"key '{key}.max_queue_size' = {size}: must be >= -1 (-1: unbounded)")
     if not 0 <= policy.default_timeout_ms < float("inf"):  # NaN too
         raise ConfigError(
             f"key '{key}.default_timeout_ms' = {policy.default_timeout_ms}: must be >= 0"

@@ -8,7 +8,8 @@ FulcrumError (500)
 ├── PayloadTooLarge (413)      body over the configured limit
 ├── HeadersTooLarge (431)      request head over the header size or count limit
 ├── Unavailable (503)          not ready, queue full (Retry-After), shutting down
-│   └── QueueFull (503)
+│   ├── QueueFull (503)        the queue is at its bound (admission)
+│   └── Shed (503)             its deadline can no longer be met; shed before it ran
 ├── DeadlineExceeded (504)     timed out in the queue; never ran
 ├── ModelError (500)           the backend raised while running a batch
 │   └── ExecutionTimeout (500) the backend ran past its execution limit (hung)
@@ -16,6 +17,8 @@ FulcrumError (500)
 """
 
 from __future__ import annotations
+
+import math
 
 
 class FulcrumError(Exception):
@@ -78,11 +81,21 @@ class Unavailable(FulcrumError):
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        # Whole seconds, rounded up: a client that waits less would only be refused again.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class QueueFull(Unavailable):
     """The model's queue (for this priority level) is at `max_queue_size`."""
+
+    reason = "queue_full"
+
+
+class Shed(Unavailable):
+    """The adaptive policy predicts the request would miss its deadline even if it ran next;
+    `retry_after_s` is the predicted time for the queue to drain (precise; the header rounds up)."""
+
+    reason = "deadline"
 
 
 class DeadlineExceeded(FulcrumError):

@@ -14,8 +14,9 @@ LATENCY_BUCKETS_S = (
     0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
-OUTCOMES = ("success", "invalid_input", "queue_full", "timeout", "model_error", "unavailable",
-            "error")  # fmt: skip
+OUTCOMES = ("success", "invalid_input", "queue_full", "shed", "timeout", "model_error",
+            "unavailable", "error")  # fmt: skip
+SHED_REASONS = ("queue_full", "deadline")  # refused at admission; deadline out of reach
 
 
 class GaugeSource(Protocol):
@@ -71,6 +72,24 @@ class ServerMetrics:
         self.retry_compute_s = Counter(
             "fulcrum_isolation_compute_seconds",
             "Model time spent on those extra dispatches.", labels, registry=r)  # fmt: skip
+        # The adaptive policy's state (zero under Triton's static policy).
+        self.policy_fixed_s = Gauge("fulcrum_batch_model_fixed_seconds",
+                                    "Fitted fixed cost a of a batch: t(b) = a + c*b.",
+                                    labels, registry=r, multiprocess_mode="max")  # fmt: skip
+        self.policy_row_s = Gauge("fulcrum_batch_model_row_seconds",
+                                  "Fitted cost c of each row of a batch: t(b) = a + c*b.",
+                                  labels, registry=r, multiprocess_mode="max")  # fmt: skip
+        self.batch_limit = Gauge("fulcrum_batch_limit", "Rows the batch policy allows a batch now.",
+                                 labels, registry=r, multiprocess_mode="max")  # fmt: skip
+        self.predicted_batch_s = Gauge("fulcrum_batch_predicted_seconds",
+                                       "Predicted run time of the last batch.",
+                                       labels, registry=r, multiprocess_mode="max")  # fmt: skip
+        self.observed_batch_s = Gauge("fulcrum_batch_observed_seconds",
+                                      "Observed run time of the last batch.",
+                                      labels, registry=r, multiprocess_mode="max")  # fmt: skip
+        self.shed = Counter("fulcrum_shed_requests",
+                            "Requests refused with 503 before they ran, by reason.",
+                            (*labels, "reason"), registry=r)  # fmt: skip
         self._series: dict[tuple[str, str, str], _Series] = {}
 
     def for_model(self, model: str, version: int, variant: str = "default") -> ModelMetrics:
@@ -105,10 +124,14 @@ class ServerMetrics:
         del self._series[key]
         for family in (self.request_s, self.queue_s, self.compute_s, self.batch_size,
                        self.queue_depth, self.in_flight, self.retried_dispatches,
-                       self.retry_compute_s):  # fmt: skip
+                       self.retry_compute_s, self.policy_fixed_s, self.policy_row_s,
+                       self.batch_limit, self.predicted_batch_s,
+                       self.observed_batch_s):  # fmt: skip
             family.remove(*key)
         for outcome in OUTCOMES:
             self.requests.remove(*key, outcome)
+        for reason in SHED_REASONS:
+            self.shed.remove(*key, reason)
 
 
 class ModelMetrics:
@@ -129,6 +152,12 @@ class ModelMetrics:
         self.outcomes = {o: server.requests.labels(*key, o) for o in OUTCOMES}
         self.retried_dispatches = server.retried_dispatches.labels(*key)
         self.retry_compute_s = server.retry_compute_s.labels(*key)
+        self.policy_fixed_s = server.policy_fixed_s.labels(*key)
+        self.policy_row_s = server.policy_row_s.labels(*key)
+        self.batch_limit = server.batch_limit.labels(*key)
+        self.predicted_batch_s = server.predicted_batch_s.labels(*key)
+        self.observed_batch_s = server.observed_batch_s.labels(*key)
+        self.shed = {reason: server.shed.labels(*key, reason) for reason in SHED_REASONS}
 
     def watch(self, source: GaugeSource) -> None:
         """Report `source`'s queue depth and admitted requests on the gauges (held weakly)."""
@@ -154,6 +183,7 @@ def outcome_of(status_code: int, error_name: str) -> str:
     return {
         "InvalidInput": "invalid_input",
         "QueueFull": "queue_full",
+        "Shed": "shed",
         "DeadlineExceeded": "timeout",
         "ModelError": "model_error",
         "ExecutionTimeout": "model_error",

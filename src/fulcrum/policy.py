@@ -1,55 +1,35 @@
-"""Batch formation as pure policy: queued items per priority level, admission, and `plan()`.
+"""Batch formation as pure policy: the `BatchPolicy` seam, its `Plan`, and Triton's rules.
 
-No asyncio and no real clock here: every decision takes `now`, so Triton's rules are tested with
-a fake clock and without sleeps. The batcher (the async shell) owns the only instance.
+No asyncio and no real clock here: every decision takes `now`, so the rules are tested with a
+fake clock and without sleeps. The batcher (the async shell) owns the only instance, made by
+`make_policy` from the model's config; the queue itself lives in `fulcrum.pending`.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from fulcrum.config import ModelConfig, QueuePolicy
-from fulcrum.errors import InvalidInput, QueueFull
+from fulcrum.config import ModelConfig
+from fulcrum.pending import DELAYED, DONE, QUEUED, Pending, PendingQueue, default_queue_bound
 from fulcrum.types import TensorMap
 
-# Item states. An item leaves the queue lazily: its state changes at once, its deque slot is
-# popped when it reaches the head, so cancel and expiry never scan a deque.
-QUEUED, DELAYED, DONE = 0, 1, 2
-
-
-class Pending:
-    """One queued request as the policy sees it; the batcher subclasses it to carry the payload."""
-
-    __slots__ = (
-        "cancelled",
-        "deadline_s",
-        "enqueue_s",
-        "key",
-        "level",
-        "num_rows",
-        "seq",
-        "state",
-        "timeout_action",
-    )
-
-    def __init__(self, num_rows: int, key: Hashable, enqueue_s: float) -> None:
-        self.num_rows = num_rows
-        self.key = key  # items with different keys never share a batch
-        self.enqueue_s = enqueue_s  # clock seconds
-        self.seq = -1  # set by admit: arrival order
-        self.level = 0  # set by admit: 1 is the highest priority
-        self.deadline_s: float | None = None  # absolute clock seconds; None: no timeout
-        self.timeout_action = "reject"  # or "delay"
-        self.state = QUEUED
-        self.cancelled = False
-
-    def __repr__(self) -> str:
-        return f"Pending(seq={self.seq}, rows={self.num_rows}, level={self.level})"
+__all__ = [
+    "DELAYED",
+    "DONE",
+    "QUEUED",
+    "BatchPolicy",
+    "BatchRecord",
+    "Pending",
+    "PendingQueue",
+    "Plan",
+    "TritonPolicy",
+    "compat_key",
+    "default_queue_bound",
+    "dynamic_axes",
+    "make_policy",
+]
 
 
 def dynamic_axes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -77,181 +57,55 @@ def compat_key(inputs: TensorMap, axes_by_input: Mapping[str, tuple[int, ...]]) 
     return tuple(parts)
 
 
-class PendingQueue:
-    """Pending items per priority level: FIFO deques; DELAY-expired items go behind the rest."""
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """What one batch did, its re-runs included; handed to the policy's `observe`, then to
+    `on_batch` (statistics, metrics)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.num_levels = config.num_priority_levels
-        self.default_level = config.default_priority
-        self._policies: list[QueuePolicy] = [
-            config.queue_policy(level) for level in range(1, self.num_levels + 1)
-        ]
-        self._ready: list[deque[Pending]] = [deque() for _ in range(self.num_levels)]
-        self._delayed: list[deque[Pending]] = [deque() for _ in range(self.num_levels)]
-        self._num_live = [0] * self.num_levels
-        self._num_total = 0
-        self._deadlines: list[tuple[float, int, Pending]] = []  # min-heap, lazily pruned
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return self._num_total
-
-    def depth(self, level: int) -> int:
-        """Live items waiting at one priority level."""
-        return self._num_live[level - 1]
-
-    def level_of(self, priority: int | None) -> int:
-        """The level a request's priority maps to: 0/None -> the default; 1..levels else 400."""
-        if not priority:
-            return self.default_level
-        if not 1 <= priority <= self.num_levels:
-            raise InvalidInput(f"priority {priority} is outside 1..{self.num_levels}")
-        return priority
-
-    def timeout_of(self, level: int, timeout_s: float | None) -> float | None:
-        """The effective timeout in seconds (None: none); a request's 0/None means not given."""
-        if timeout_s is not None and timeout_s < 0:
-            raise InvalidInput(f"timeout {timeout_s} s is negative")
-        policy = self._policies[level - 1]
-        default_s = policy.default_timeout_ms / 1000 if policy.default_timeout_ms > 0 else None
-        if not timeout_s or not policy.allow_timeout_override:
-            return default_s
-        # A request may only shorten the model's default, never extend it.
-        return timeout_s if default_s is None else min(timeout_s, default_s)
-
-    def admit(self, item: Pending, *, priority: int | None, timeout_s: float | None) -> None:
-        """Queue `item`, or raise InvalidInput (bad priority/timeout) or QueueFull (at once)."""
-        level = self.level_of(priority)
-        policy = self._policies[level - 1]
-        if policy.max_queue_size and self._num_live[level - 1] >= policy.max_queue_size:
-            raise QueueFull(
-                f"queue for priority level {level} is full "
-                f"({policy.max_queue_size} requests waiting)"
-            )
-        timeout = self.timeout_of(level, timeout_s)
-        item.level = level
-        item.timeout_action = policy.timeout_action
-        item.seq = next(self._seq)
-        if timeout is not None:
-            item.deadline_s = item.enqueue_s + timeout
-            heapq.heappush(self._deadlines, (item.deadline_s, item.seq, item))
-        self._ready[level - 1].append(item)
-        self._num_live[level - 1] += 1
-        self._num_total += 1
-
-    def live(self) -> Iterator[Pending]:
-        """Live items in service order: per level (1 first), on-time items, then DELAY-expired."""
-        for level in range(self.num_levels):
-            if not self._num_live[level]:
-                continue
-            for item in self._ready[level]:
-                if item.state == QUEUED:
-                    yield item
-            for item in self._delayed[level]:
-                if item.state != DONE:
-                    yield item
-
-    def take(self, items: Sequence[Pending]) -> None:
-        """Remove items chosen to run (or reject); they are a prefix of `live()` in practice."""
-        num_live = self._num_live
-        for item in items:  # inlined _retire: this runs once per request on the hot path
-            if item.state != DONE:
-                item.state = DONE
-                num_live[item.level - 1] -= 1
-                self._num_total -= 1
-        self._trim()
-        self._prune_deadlines()
-
-    def cancel(self, item: Pending) -> bool:
-        """Mark a queued item cancelled so it never runs; False when it already left the queue."""
-        if item.state == DONE:
-            return False
-        item.cancelled = True
-        self._retire(item)
-        self._trim()
-        self._prune_deadlines()
-        return True
-
-    def expire(self, now: float) -> list[Pending]:
-        """Apply timeouts due by `now`: return REJECT items (removed); move DELAY items back."""
-        rejected: list[Pending] = []
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            item = heapq.heappop(heap)[2]
-            if item.state != QUEUED:
-                continue
-            if item.timeout_action == "delay":
-                item.state = DELAYED
-                self._delayed[item.level - 1].append(item)
-            else:
-                self._retire(item)
-                rejected.append(item)
-        if rejected:
-            self._trim()
-        return rejected
-
-    @property
-    def next_deadline_s(self) -> float | None:
-        """The earliest deadline of a still-queued item, or None."""
-        self._prune_deadlines()
-        heap = self._deadlines
-        return heap[0][0] if heap else None
-
-    def drain(self) -> list[Pending]:
-        """Remove and return every live item (shutdown)."""
-        items = list(self.live())
-        for item in items:
-            self._retire(item)
-        for dq in (*self._ready, *self._delayed):
-            dq.clear()
-        self._deadlines.clear()
-        return items
-
-    def _retire(self, item: Pending) -> None:
-        if item.state == DONE:
-            return
-        item.state = DONE
-        self._num_live[item.level - 1] -= 1
-        self._num_total -= 1
-
-    def _prune_deadlines(self) -> None:
-        # Entries of items that left the queue hold their payloads: drop them from the top (with
-        # one timeout per level, deadlines are FIFO, so that is where they are), and rebuild the
-        # heap when mixed timeouts leave too many deeper down.
-        heap = self._deadlines
-        while heap and heap[0][2].state != QUEUED:
-            heapq.heappop(heap)
-        if len(heap) > 2 * self._num_total + 64:
-            heap[:] = [entry for entry in heap if entry[2].state == QUEUED]
-            heapq.heapify(heap)
-
-    def _trim(self) -> None:
-        # Pop retired items off the deque heads so their payloads are freed; levels are few.
-        for level in range(self.num_levels):
-            ready, delayed = self._ready[level], self._delayed[level]
-            if not self._num_live[level]:
-                ready.clear()
-                delayed.clear()
-                continue
-            while ready and ready[0].state != QUEUED:
-                ready.popleft()
-            while delayed and delayed[0].state == DONE:
-                delayed.popleft()
+    batch_size: int
+    num_requests: int
+    compute_s: float  # the first dispatch
+    queue_s: list[float]
+    failed: bool  # the first dispatch (or splitting its outputs) failed
+    num_retried_dispatches: int = 0  # extra dispatches made to isolate a failure
+    num_isolated_failures: int = 0  # requests that failed again when re-run apart
+    retry_compute_s: float = 0.0  # time those extra dispatches took
+    # (rows, compute_s) of each extra dispatch that succeeded: executions like any other
+    retried_batches: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What the batcher does now: run `run` (if any), fail `reject` with 504, else wait."""
+    """What the batcher does now: run `run` (if any), fail `reject` with 504 (queue timeout),
+    fail `shed` with 503 + Retry-After `retry_after_s` (deadline out of reach), else wait."""
 
     run: tuple[Pending, ...] = ()
     reject: tuple[Pending, ...] = ()
     wake_at_s: float | None = None  # when to plan again if nothing new arrives; None: no need
+    shed: tuple[Pending, ...] = ()
+    retry_after_s: float = 0.0  # the predicted drain time of the queue, precise
 
 
 class BatchPolicy(Protocol):
     """Decides which queued items form the next batch; takes them out of the queue."""
 
     def plan(self, queue: PendingQueue, now: float) -> Plan: ...
+
+    def observe(self, record: BatchRecord) -> None:
+        """What a batch really cost, after it ran (failed ones too); called once per batch."""
+
+    def state(self) -> dict[str, object]:
+        """The policy's current state for the statistics API and metrics (JSON-ready)."""
+
+
+def make_policy(config: ModelConfig) -> BatchPolicy:
+    """The policy `[dynamic_batching] policy` names ("triton" when there is none)."""
+    batching = config.dynamic_batching
+    if batching is not None and batching.policy == "adaptive" and config.max_batch_size > 0:
+        from fulcrum.policy_adaptive import AdaptivePolicy  # it imports this module
+
+        return AdaptivePolicy(config)
+    return TritonPolicy(config)
 
 
 @dataclass(slots=True)
@@ -274,6 +128,12 @@ class TritonPolicy:
         self.max_queue_delay_s = batching.max_queue_delay_ms / 1000 if batching else 0.0
         self.preferred = frozenset(batching.preferred_batch_sizes if batching else ())
         self.max_preferred = max(self.preferred, default=self.max_batch_size)
+
+    def observe(self, record: BatchRecord) -> None:
+        """Triton's rules are static: nothing to learn."""
+
+    def state(self) -> dict[str, object]:
+        return {"name": "triton", "batch_limit": self.max_batch_size}
 
     def plan(self, queue: PendingQueue, now: float) -> Plan:
         """Reject expired items, then run a batch now or say when to look again."""

@@ -15,7 +15,14 @@ from typing import Protocol
 
 import msgspec
 
-from fulcrum.config import ModelConfig, VersionPolicy, check_model_name, load_model_config
+from fulcrum.config import (
+    ModelConfig,
+    VersionPolicy,
+    apply_profile,
+    batching_keys_given,
+    check_model_name,
+    load_model_config,
+)
 from fulcrum.config import validate as validate_config
 from fulcrum.errors import ConfigError, FulcrumError, InvalidInput, NotFound, Unavailable
 from fulcrum.variants import default_variant, loaded_variant_names, resolve_variant
@@ -285,6 +292,7 @@ def apply_override(config: ModelConfig, override: dict[str, object]) -> ModelCon
     merged["name"] = config.name
     try:
         result = msgspec.convert(merged, type=ModelConfig)
+        result = apply_profile(result, batching_keys_given(override))
         validate_config(result)
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"config override: {exc}") from exc

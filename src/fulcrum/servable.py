@@ -9,9 +9,10 @@ from pathlib import Path
 from fulcrum.backends import create_backend
 from fulcrum.batcher import BatchRecord, DynamicBatcher, InferResult
 from fulcrum.config import ModelConfig
-from fulcrum.errors import FulcrumError
+from fulcrum.errors import FulcrumError, QueueFull, Shed
 from fulcrum.instances import InstancePool
 from fulcrum.metrics import ModelMetrics, outcome_of
+from fulcrum.policy_adaptive import AdaptivePolicy
 from fulcrum.stats import ModelStats
 from fulcrum.types import TensorMap
 
@@ -34,6 +35,9 @@ class BatchServable:
         self.metrics = metrics
         self.stats = ModelStats()
         self.batcher = DynamicBatcher(config, pool.run, on_batch=self._on_batch)
+        self.stats.policy_state = self.batcher.policy.state
+        policy = self.batcher.policy
+        self._adaptive = policy if isinstance(policy, AdaptivePolicy) else None
         self._num_admitted = 0
         self._stopping = False
         metrics.watch(self)  # weakly: the registry outlives this version
@@ -92,6 +96,9 @@ class BatchServable:
         except FulcrumError as exc:
             self.stats.record_failure(time.perf_counter() - start)
             self.metrics.outcomes[outcome_of(exc.status_code, type(exc).__name__)].inc()
+            if isinstance(exc, QueueFull | Shed):
+                self.stats.shed[exc.reason] += 1
+                self.metrics.shed[exc.reason].inc()
             raise
         finally:
             self._num_admitted -= 1
@@ -115,6 +122,16 @@ class BatchServable:
         if record.num_retried_dispatches:
             self.metrics.retried_dispatches.inc(record.num_retried_dispatches)
             self.metrics.retry_compute_s.inc(record.retry_compute_s)
+        if self._adaptive is not None:  # the policy has already observed this batch
+            self._show_policy(self._adaptive)
+
+    def _show_policy(self, policy: AdaptivePolicy) -> None:
+        m = self.metrics
+        m.policy_fixed_s.set(policy.model.a_s)
+        m.policy_row_s.set(policy.model.c_s)
+        m.batch_limit.set(policy.batch_limit)
+        m.predicted_batch_s.set(policy.last_predicted_s)
+        m.observed_batch_s.set(policy.last_observed_s)
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, finish queued and in-flight ones, then release the instances."""

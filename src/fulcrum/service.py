@@ -34,6 +34,7 @@ from fulcrum.router import DirectRouter, Route, Router
 from fulcrum.servable import BatchServable
 from fulcrum.service_llm import LLMCall as LLMCall  # re-exported: the routes name it
 from fulcrum.service_llm import LLMServable, generate, prepare_chat, prepare_prompt
+from fulcrum.service_stream import RowStream, open_row_stream
 from fulcrum.types import TensorMap
 
 if TYPE_CHECKING:
@@ -183,6 +184,21 @@ class Service:
         validate_requested_outputs(servable.config, request.outputs)
         result = await self._run(ctx, route, servable, request.inputs, request)
         return servable.version, result
+
+    async def infer_stream(
+        self, ctx: RequestContext, name: str, version: int | None, request: InferRequest
+    ) -> RowStream:
+        """`infer` with the rows answered in chunks as they complete (`service_stream`); bad
+        input or a refused chunk raises here, before any row is sent."""
+        self._check_open()
+        ctx = _with_variant(ctx, request.parameters.get("variant"))
+        route = self.router.route(ctx, name, version)
+        servable = self._batch_model(route)
+        validate_requested_outputs(servable.config, request.outputs)
+        return await open_row_stream(
+            servable.config, servable.version, request,
+            lambda inputs: self._run(ctx, route, servable, inputs, request),
+        )  # fmt: skip
 
     async def _run(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -54,6 +55,10 @@ class ModelStats:
     execution_count: int = 0
     last_inference_ms: int = 0
     batches: defaultdict[int, Duration] = field(default_factory=lambda: defaultdict(Duration))
+    # Beyond Triton: the batch policy's state (fitted model, batch limit, queue bound) and the
+    # requests refused with 503 before they ran, by reason ("queue_full", "deadline").
+    policy_state: Callable[[], dict[str, object]] | None = None
+    shed: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def record_success(
         self, num_rows: int, total_s: float, queue_s: float, compute_s: float
@@ -79,6 +84,12 @@ class ModelStats:
         self.last_inference_ms = int(time.time() * 1000)  # wall clock: a timestamp, not timing
 
     def to_json(self, name: str, version: int, variant: str = "default") -> dict[str, object]:
+        row = self._triton_json(name, version, variant)
+        if self.policy_state is not None:
+            row["policy"] = {**self.policy_state(), "shed": dict(sorted(self.shed.items()))}
+        return row
+
+    def _triton_json(self, name: str, version: int, variant: str) -> dict[str, object]:
         zero = Duration().to_json()
         return {
             "name": name,

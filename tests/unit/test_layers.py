@@ -15,6 +15,7 @@ FORBIDDEN_MODULES = (
     "fulcrum.batcher",
     "fulcrum.instances",
     "fulcrum.service_llm",
+    "fulcrum.service_stream",
     "fulcrum.backends",
     "fulcrum.llm.engine",
     "fulcrum.llm.sync_engine",

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from fulcrum.config import ModelConfig
-from fulcrum.errors import ConfigError, InvalidInput, ModelError, QueueFull, Unavailable
+from fulcrum.errors import ConfigError, InvalidInput, ModelError, QueueFull, Shed, Unavailable
+from fulcrum.llm.budget import StepRecord
 from fulcrum.llm.engine import AsyncLLMEngine, LLMEngine
-from fulcrum.llm.examples import build_tiny_llama
+from fulcrum.llm.examples import build_tiny_gpt2, build_tiny_llama
 from fulcrum.llm.loader import LoadedLLM, load_checkpoint
 from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.params import EngineParams
+from fulcrum.llm.runner import Sampled
 from fulcrum.llm.sampling_params import SamplingParams
+from fulcrum.llm.scheduler import ScheduledBatch
 from fulcrum.types import FakeClock
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -266,3 +270,112 @@ async def test_an_iterator_never_started_does_not_outlive_its_request(loaded: Lo
     assert engine._streams == {}  # the finished request's queue lives only in its iterator
     assert [o.finish_reason async for o in unstarted][-1] == "length"
     await engine.stop(timeout_s=5.0)
+
+
+# --- the SLO token budget ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> LoadedLLM:
+    directory = tmp_path_factory.mktemp("gpt2")
+    build_tiny_gpt2(directory)
+    return load_checkpoint(directory / "tiny-gpt2" / "1")
+
+
+class SlowRunner:
+    """The real runner, but each step advances the fake clock by a machine's step time."""
+
+    def __init__(self, engine: LLMEngine, clock: FakeClock, per_token_s: float) -> None:
+        self.run_real: Callable[[ScheduledBatch], list[Sampled]] = engine.runner.run
+        self.clock = clock
+        self.per_token_s = per_token_s
+
+    def run(self, batch: ScheduledBatch) -> list[Sampled]:
+        self.clock.advance(0.002 + self.per_token_s * batch.num_batched_tokens)
+        return self.run_real(batch)
+
+
+def _slo_run(
+    gpt2: LoadedLLM, prompts: list[list[int]], **params: object
+) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+    """Greedy tokens per request and (token budget, running) after each step."""
+    clock = FakeClock()
+    values: dict[str, object] = {"num_kv_blocks": 64, "max_num_batched_tokens": 64, **params}
+    engine = LLMEngine(gpt2, EngineParams(**values), clock=clock)  # type: ignore[arg-type,unused-ignore]
+    engine.runner.run = SlowRunner(engine, clock, per_token_s=0.001).run
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    tokens: dict[str, list[int]] = {}
+    dial: list[tuple[int, int]] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        budget = engine.scheduler.token_budget or engine.scheduler.max_num_batched_tokens
+        dial.append((budget, engine.scheduler.num_running))
+    return tokens, dial
+
+
+def test_slo_budget_moves_the_dial_and_keeps_greedy_tokens(gpt2: LoadedLLM) -> None:
+    prompts = [[(7 * i + j) % 200 + 5 for j in range(20 + 3 * i)] for i in range(6)]
+    expected, static = _slo_run(gpt2, prompts)
+    assert {budget for budget, _ in static} == {64}  # no SLO keys: the dial never moves
+    # 30 ms per output token: at 1 ms a token plus 2 ms a step, about 25 tokens fit a step.
+    got, dial = _slo_run(gpt2, prompts, slo_tpot_ms=30.0, slo_ttft_ms=10_000.0)
+    assert got == expected
+    assert min(budget for budget, _ in dial) <= 25
+    assert all(running <= budget <= 64 for budget, running in dial)
+
+
+def test_without_slo_keys_the_engine_has_no_budget(gpt2: LoadedLLM) -> None:
+    engine = LLMEngine(gpt2, EngineParams(num_kv_blocks=32))
+    engine.add_request("a", [5, 6, 7], GREEDY)
+    _run(engine)
+    assert engine.budget is None
+    assert (engine.scheduler.token_budget, engine.scheduler.max_running) == (None, None)
+
+
+def _seed_a_long_queue(engine: LLMEngine) -> None:
+    """Publish what the engine thread would after slow steps under a queue of 50k tokens."""
+    assert engine.budget is not None
+    for num_tokens in (64, 32, 48, 16):
+        engine.budget.observe_step(
+            StepRecord(num_tokens, 0, 0.002 + 0.001 * num_tokens, 0, 0, 50_000)
+        )
+
+
+async def test_a_request_that_would_miss_ttft_gets_503_at_the_call(gpt2: LoadedLLM) -> None:
+    registry = CollectorRegistry()
+    params = EngineParams(num_kv_blocks=32, max_num_batched_tokens=64, slo_ttft_ms=500.0)
+    sync = LLMEngine(gpt2, params, metrics=LLMMetrics(registry, "g"))
+    engine = AsyncLLMEngine(sync, model_name="g")
+    await engine.start()
+    _seed_a_long_queue(sync)
+    with pytest.raises(Shed, match="slo_ttft_ms") as shed:
+        engine.generate([5, 6, 7], GREEDY)
+    assert shed.value.retry_after_s > 0.5  # the queue ahead takes longer than the SLO
+    labels = {"model": "g", "version": "1", "variant": "default", "reason": "slo_ttft"}
+    assert registry.get_sample_value("fulcrum_llm_requests_shed_total", labels) == 1
+    assert not sync.has_unfinished()
+    await engine.stop()
+    assert registry.get_sample_value("fulcrum_llm_requests_shed_total", labels) is None
+
+
+async def test_queue_action_admits_a_request_predicted_late(gpt2: LoadedLLM) -> None:
+    params = EngineParams(num_kv_blocks=32, slo_ttft_ms=500.0, slo_ttft_action="queue")
+    engine = AsyncLLMEngine(LLMEngine(gpt2, params), model_name="g")
+    await engine.start()
+    _seed_a_long_queue(engine.engine)
+    outputs = [out async for out in engine.generate([5, 6, 7], GREEDY)]
+    assert outputs[-1].finish_reason == "length"
+    await engine.stop()
+
+
+def test_an_engine_left_idle_by_aborts_admits_again(gpt2: LoadedLLM) -> None:
+    engine = LLMEngine(gpt2, EngineParams(num_kv_blocks=32, slo_ttft_ms=500.0))
+    engine.add_request("a", [5, 6, 7], GREEDY)
+    _seed_a_long_queue(engine)  # the last step saw a long queue...
+    with pytest.raises(Shed):
+        engine.add_request("b", [5, 6, 7], GREEDY)
+    engine.abort("a")  # ...then every request went away, and no step will run to say so
+    engine.add_request("b", [5, 6, 7], GREEDY)
+    assert _run(engine)["b"]

@@ -267,6 +267,37 @@ def test_max_num_seqs_limits_running() -> None:
     assert (h.scheduler.num_running, h.scheduler.num_waiting) == (2, 3)
 
 
+def test_set_limits_lowers_the_budget_and_running_limit_of_later_steps() -> None:
+    h = make_harness(max_num_batched_tokens=32, max_num_seqs=8)
+    for i in range(3):
+        h.scheduler.add(make_seq(i, prompt_of(2, i), max_tokens=30))
+    h.step()
+    h.scheduler.add(make_seq(9, prompt_of(40), max_tokens=2))
+    h.scheduler.set_limits(8, 4)  # what the SLO controller decides after a slow step
+    batch, _ = h.step()
+    assert batch.num_new_tokens == [1, 1, 1, 5]  # the prompt's chunk shrinks, decodes stay
+    h.scheduler.add(make_seq(10, [1, 2], max_tokens=2))
+    batch, _ = h.step()
+    assert h.scheduler.num_running == 4 and 10 not in {s.seq_id for s in batch.seqs}
+    h.scheduler.set_limits(10_000, 10_000)  # never beyond the configured maxima
+    assert (h.scheduler.token_budget, h.scheduler.max_running) == (32, 8)
+    with pytest.raises(FulcrumError):
+        h.scheduler.set_limits(0, 4)
+    h.run_to_end()
+    assert h.block_manager.num_free_blocks() == h.block_manager.num_blocks
+
+
+def test_decoding_and_queued_token_counts_feed_the_controller() -> None:
+    h = make_harness(max_num_batched_tokens=8, max_num_seqs=8)
+    h.scheduler.add(make_seq(0, prompt_of(3), max_tokens=10))
+    h.step()  # seq 0 prefilled: it decodes from now on
+    h.scheduler.add(make_seq(1, prompt_of(20, 5), max_tokens=2))
+    h.scheduler.add(make_seq(2, prompt_of(6, 7), max_tokens=2))
+    assert (h.scheduler.num_decoding, h.scheduler.num_queued_tokens) == (1, 26)
+    h.step()  # seq 1 gets 7 prompt tokens; seq 2 waits behind it
+    assert (h.scheduler.num_decoding, h.scheduler.num_queued_tokens) == (1, 13 + 6)
+
+
 # --- preemption --------------------------------------------------------------------------------
 
 

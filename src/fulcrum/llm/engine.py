@@ -175,8 +175,8 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Admit a request now (raising InvalidInput, QueueFull or Unavailable at the call) and
-        stream its outputs; closing or cancelling the iterator aborts the request."""
+        """Admit a request now (raising InvalidInput, QueueFull, Shed or Unavailable at the call)
+        and stream its outputs; closing or cancelling the iterator aborts the request."""
         request_id = request_id or uuid.uuid4().hex
         queue = self._admit(prompt, sampling, request_id, priority, cache_salt)
         return self._stream(request_id, queue)
@@ -216,10 +216,14 @@ class AsyncLLMEngine:
         # Validate here, before queueing, so a bad request fails alone and at once.
         self.engine.check_request(token_ids, sampling)
         with self._lock:
-            num_pending = sum(isinstance(c, _Add) for c in self._commands)
+            pending = [c for c in self._commands if isinstance(c, _Add)]
         max_waiting = self.engine.params.max_num_waiting
-        if self._num_waiting + num_pending >= max_waiting:
+        if self._num_waiting + len(pending) >= max_waiting:
+            if self.engine.metrics is not None:
+                self.engine.metrics.request_shed("queue_full")
             raise QueueFull(f"model {self.model_name!r}: {max_waiting} requests already waiting")
+        # Shed here, at the call, from the state the engine thread last published.
+        self.engine.check_admission(len(token_ids), sum(len(c.token_ids) for c in pending))
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._streams[request_id] = queue
         self._idle.clear()
@@ -271,6 +275,7 @@ class AsyncLLMEngine:
                     priority=command.priority,
                     cache_salt=command.cache_salt,
                     arrival_s=command.arrival_s,
+                    check_slo=False,  # checked at admission; the queue ahead is not its fault
                 )
             except FulcrumError as exc:  # QueueFull or InvalidInput: fails only this request
                 self._call_in_loop(self._deliver_error, command.request_id, exc)

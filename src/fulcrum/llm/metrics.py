@@ -4,7 +4,8 @@ Latencies are histograms (so replicas aggregate); every series carries only the 
 `version` labels (plus `finished_reason` on the request counter), so request content never
 creates a series. The metric families are created once per registry and shared by every LLM
 model and version registered on it; `LLMMetrics.remove` drops one model version's series when
-its engine stops, so unloads and new versions leave nothing behind.
+its engine stops, so unloads and new versions leave nothing behind. The token budget's series
+(fulcrum.llm.budget) show the dial as the SLO controller holds it.
 """
 
 from __future__ import annotations
@@ -59,18 +60,30 @@ class _Families:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.restarts = counter("engine_restarts", "Engine threads restarted after a crash.")
+        self.token_budget = gauge("num_batched_tokens_budget",
+                                  "Token budget of the next step (max_num_batched_tokens unless "
+                                  "an SLO adapts it).")  # fmt: skip
+        self.running_limit = gauge("max_num_seqs_limit",
+                                   "Running-sequence limit of the next step.")  # fmt: skip
+        self.step_predicted = gauge("step_time_predicted_seconds",
+                                    "Step-time model's prediction of the last step.")  # fmt: skip
+        self.step_observed = gauge("step_time_observed_seconds", "The last step's time.")
+        self.shed = Counter(PREFIX + "requests_shed", "Requests refused with 503 by reason.",
+                            [*_LABELS, "reason"], registry=registry)  # fmt: skip
         self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                [*_LABELS, "finished_reason"], registry=registry)  # fmt: skip
         # Guarded by _families_lock: engines of each (model, version), and the finished_reason
         # values each created.
         self.num_users: dict[tuple[str, str, str], int] = {}
         self.reasons: dict[tuple[str, str, str], set[str]] = {}
+        self.shed_reasons: dict[tuple[str, str, str], set[str]] = {}
 
     def per_model(self) -> tuple[Histogram | Gauge | Counter, ...]:
         """The families labelled by (model, version) only."""
         return (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.running, self.waiting,
                 self.kv_usage, self.preemptions, self.prefix_queries, self.prefix_hits,
-                self.prompt_tokens, self.generation_tokens, self.restarts)  # fmt: skip
+                self.prompt_tokens, self.generation_tokens, self.restarts, self.token_budget,
+                self.running_limit, self.step_predicted, self.step_observed)  # fmt: skip
 
 
 _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -112,6 +125,10 @@ class LLMMetrics:
         self.prompt_tokens = f.prompt_tokens.labels(*labels)
         self.generation_tokens = f.generation_tokens.labels(*labels)
         self.restarts = f.restarts.labels(*labels)
+        self.token_budget = f.token_budget.labels(*labels)
+        self.running_limit = f.running_limit.labels(*labels)
+        self.step_predicted_s = f.step_predicted.labels(*labels)
+        self.step_observed_s = f.step_observed.labels(*labels)
 
     def request_finished(self, finish_reason: str) -> None:
         """Count one finished request (stop, length, abort or error)."""
@@ -119,6 +136,13 @@ class LLMMetrics:
         with _families_lock:
             f.reasons.setdefault(self._labels, set()).add(finish_reason)
         f.success.labels(*self._labels, finish_reason).inc()
+
+    def request_shed(self, reason: str) -> None:
+        """Count one request refused at admission ("slo_ttft" or "queue_full")."""
+        f = self._families
+        with _families_lock:
+            f.shed_reasons.setdefault(self._labels, set()).add(reason)
+        f.shed.labels(*self._labels, reason).inc()
 
     def remove(self) -> None:
         """Drop this model version's series from the registry (its engine stopped for good);
@@ -133,9 +157,13 @@ class LLMMetrics:
                 return
             del f.num_users[self._labels]
             reasons = f.reasons.pop(self._labels, set())
+            shed_reasons = f.shed_reasons.pop(self._labels, set())
         for family in f.per_model():
             with contextlib.suppress(KeyError):
                 family.remove(*self._labels)
         for reason in reasons:
             with contextlib.suppress(KeyError):
                 f.success.remove(*self._labels, reason)
+        for reason in shed_reasons:
+            with contextlib.suppress(KeyError):
+                f.shed.remove(*self._labels, reason)

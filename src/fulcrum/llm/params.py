@@ -4,6 +4,8 @@
 computes (decodes plus prefill chunks). Small values keep every step short, which favours time to
 first token of running requests and inter-token latency; large values fill the hardware with
 prefill work, which favours throughput and the TTFT of long prompts under light load.
+With `slo_ttft_ms` / `slo_tpot_ms` set, `fulcrum.llm.budget` moves the dial within its bounds as
+the load changes; without them the dial stays where it is set.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from fulcrum.errors import ConfigError
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _QUANTIZATIONS = ("auto", "none", "int8")  # "auto": what the weights file's metadata says
+_SLO_TTFT_ACTIONS = ("shed", "queue")  # a request predicted to miss slo_ttft_ms: 503 or admit
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,12 @@ class EngineParams:
     model_file: str = ""  # "": every float *.safetensors; a variant names model.int8.safetensors
     quantization: str = "auto"  # "none" / "int8": refuse a weights file that holds otherwise
     num_threads: int = 0  # torch intra-op threads of this engine's thread; 0: torch's default
+    # SLOs (0: none). With either set the token budget and running limit adapt to the load
+    # (fulcrum.llm.budget) between min_num_batched_tokens and max_num_batched_tokens.
+    slo_ttft_ms: float = 0.0  # arrival to first token
+    slo_tpot_ms: float = 0.0  # time per output token (inter-token latency)
+    min_num_batched_tokens: int = 0  # the adaptive budget's floor; 0: the running sequences
+    slo_ttft_action: str = "shed"  # predicted to miss slo_ttft_ms: "shed" (503) or "queue"
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, Any]) -> EngineParams:
@@ -75,6 +84,27 @@ class EngineParams:
                 f"key 'parameters.device' = {self.device!r}: expected auto, cpu or cuda[:N]"
             )
         self._validate_weights()
+        self._validate_slo()
+
+    @property
+    def has_slo(self) -> bool:
+        """True when a TTFT or TPOT SLO is set: the token budget then adapts to the load."""
+        return self.slo_ttft_ms > 0 or self.slo_tpot_ms > 0
+
+    def _validate_slo(self) -> None:
+        for key in ("slo_ttft_ms", "slo_tpot_ms", "min_num_batched_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"key 'parameters.{key}' = {getattr(self, key)}: must be >= 0")
+        if self.min_num_batched_tokens > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"key 'parameters.min_num_batched_tokens' = {self.min_num_batched_tokens}: "
+                f"must be <= max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+        if self.slo_ttft_action not in _SLO_TTFT_ACTIONS:
+            raise ConfigError(
+                f"key 'parameters.slo_ttft_action' = {self.slo_ttft_action!r}: "
+                f"expected one of {_SLO_TTFT_ACTIONS}"
+            )
 
     def _validate_weights(self) -> None:
         # A file name inside the version folder: never a path that leads out of it.

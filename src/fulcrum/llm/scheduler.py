@@ -49,6 +49,8 @@ class Scheduler:
     max_num_batched_tokens is the latency/throughput dial: a small budget keeps every step short
     (low inter-token latency, prompts chunked finely), a large one batches more prefill per step
     (higher throughput and lower time to first token under load, slower steps for the decodes).
+    `set_limits` lowers the budget and running limit actually used below these maxima (the SLO
+    controller, fulcrum.llm.budget, does so each step); unset, the maxima apply.
     Not thread-safe: the engine calls it from one thread.
     """
 
@@ -69,6 +71,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_waiting = max_num_waiting
+        self.token_budget: int | None = None  # None: max_num_batched_tokens
+        self.max_running: int | None = None  # None: max_num_seqs
         self.num_preemptions = 0  # cumulative
         self._waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self._running: list[Sequence] = []  # in admission order
@@ -83,6 +87,25 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Sequences queued for admission (preempted ones included)."""
         return len(self._waiting)
+
+    @property
+    def num_decoding(self) -> int:
+        """Running sequences past their prefill: each computes one token per step."""
+        return sum(s.num_tokens - s.num_computed_tokens == 1 for s in self._running)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens still to prefill before their first new token, waiting and running alike."""
+        num_left = [s.num_tokens - s.num_computed_tokens for s in self._running]
+        running = sum(n for n in num_left if n > 1)  # 1: a decode
+        return running + sum(s.num_tokens - s.num_computed_tokens for s in self._waiting)
+
+    def set_limits(self, token_budget: int, max_running: int) -> None:
+        """Use this token budget and running limit from the next step, within the maxima."""
+        if min(token_budget, max_running) < 1:
+            raise FulcrumError(f"token budget {token_budget} and max running {max_running}: < 1")
+        self.token_budget = min(token_budget, self.max_num_batched_tokens)
+        self.max_running = min(max_running, self.max_num_seqs)
 
     @property
     def has_unfinished(self) -> bool:
@@ -165,7 +188,8 @@ class Scheduler:
         return updated
 
     def _budget_left(self, batch: ScheduledBatch) -> int:
-        return self.max_num_batched_tokens - batch.num_batched_tokens
+        budget = self.max_num_batched_tokens if self.token_budget is None else self.token_budget
+        return budget - batch.num_batched_tokens
 
     def _schedule_running(self, batch: ScheduledBatch) -> None:
         # Admission order puts decodes first: a sequence still in prefill took all the budget
@@ -204,7 +228,8 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch) -> None:
         # Strict order: the head blocks later arrivals, so a big prompt is never starved.
-        while self._waiting and len(self._running) < self.max_num_seqs:
+        max_running = self.max_num_seqs if self.max_running is None else self.max_running
+        while self._waiting and len(self._running) < max_running:
             budget = self._budget_left(batch)
             if budget < 1:
                 return

@@ -19,8 +19,9 @@ else:
     require_extra("llm")
     check_torch_version(torch.__version__, extra="llm")
 
-from fulcrum.errors import InvalidInput, ModelError
+from fulcrum.errors import InvalidInput, ModelError, QueueFull, Shed
 from fulcrum.llm.block_manager import BlockManager
+from fulcrum.llm.budget import StepRecord, TokenBudget
 from fulcrum.llm.chat import ChatTemplate
 from fulcrum.llm.detokenizer import IncrementalDetokenizer
 from fulcrum.llm.loader import DTYPES, LoadedLLM, load_checkpoint
@@ -82,6 +83,8 @@ class LLMEngine:
         self._by_seq: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
         self._num_failed_steps = 0  # whole steps failed in a row
+        # With an SLO the token budget and running limit follow the load; without, they stay.
+        self.budget = TokenBudget(params) if params.has_slo else None
         self.block_manager, self.scheduler = self._new_state()
 
     def _new_state(self) -> tuple[BlockManager, Scheduler]:
@@ -97,6 +100,8 @@ class LLMEngine:
             max_num_batched_tokens=params.max_num_batched_tokens,
             max_num_waiting=params.max_num_waiting,
         )
+        if self.budget is not None:  # a reset keeps what was learnt of the machine's speed
+            scheduler.set_limits(self.budget.state.token_budget, self.budget.state.max_running)
         self._num_preemptions_seen = 0
         self._prefix_seen = (0, 0)
         return block_manager, scheduler
@@ -154,11 +159,15 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_s: float | None = None,
+        check_slo: bool = True,
     ) -> None:
-        """Queue a request; InvalidInput for a bad one, QueueFull beyond max_num_waiting."""
+        """Queue a request; InvalidInput for a bad one, QueueFull beyond max_num_waiting, Shed
+        when predicted to miss slo_ttft_ms (check_slo=False: the caller already checked)."""
         if request_id in self._requests:
             raise InvalidInput(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, sampling)
+        if check_slo:
+            self.check_admission(len(prompt_token_ids))
         eos, *more_eos = self.eos_token_ids or (None,)
         if more_eos and not sampling.ignore_eos:
             stops = tuple(dict.fromkeys(sampling.stop_token_ids + tuple(more_eos)))
@@ -173,13 +182,31 @@ class LLMEngine:
             cache_salt=cache_salt,
             eos_token_id=eos,
         )
-        self.scheduler.add(seq)
+        try:
+            self.scheduler.add(seq)
+        except QueueFull:
+            if self.metrics is not None:
+                self.metrics.request_shed("queue_full")
+            raise
         state = RequestState(
             request_id, seq, IncrementalDetokenizer(self.tokenizer, sampling.stop), arrival
         )
         self._requests[request_id] = state
         self._by_seq[seq.seq_id] = state
+        self._publish_queue()
         self.update_gauges()
+
+    def check_admission(self, num_prompt_tokens: int, num_pending_tokens: int = 0) -> None:
+        """Shed (503) a request predicted to miss slo_ttft_ms; num_pending_tokens: prompt tokens
+        admitted since the last step. Reads only published state: any thread may call it."""
+        if self.budget is None:
+            return
+        try:
+            self.budget.check_admission(num_prompt_tokens, num_pending_tokens)
+        except Shed:
+            if self.metrics is not None:
+                self.metrics.request_shed("slo_ttft")
+            raise
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; its final output, or None if unknown."""
@@ -188,6 +215,7 @@ class LLMEngine:
             return None
         self.scheduler.abort(state.seq.seq_id)
         output = self._finish(state, FinishReason.ABORT.value)
+        self._publish_queue()  # an idle engine must not shed by the queue it had
         self.update_gauges()  # an abort with no step after it must not leave them stale
         return output
 
@@ -207,6 +235,7 @@ class LLMEngine:
         self._num_failed_steps = 0
         self.runner.reset()
         self.block_manager, self.scheduler = self._new_state()
+        self._publish_queue()
         self.update_gauges()
         return dropped
 
@@ -221,10 +250,47 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; outputs of the requests that got a token (or finished) in it."""
         pin_num_threads(self.params.num_threads)  # whichever thread steps this engine
+        if self.budget is not None:
+            return self._step_within_budget(self.budget)
         batch = self.scheduler.schedule()
         outputs = [] if batch.is_empty else self._run_batch(batch)
         self.update_gauges()
         return outputs
+
+    def _step_within_budget(self, budget: TokenBudget) -> list[RequestOutput]:
+        """step() timed, its record fed to the SLO controller, whose limits the next step uses."""
+        start_s = self.clock.now()
+        batch = self.scheduler.schedule()
+        num_decode_tokens = sum(  # taken before update() moves num_computed_tokens
+            n == 1 and seq.num_tokens - seq.num_computed_tokens == 1
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+        )
+        outputs = [] if batch.is_empty else self._run_batch(batch)
+        if not batch.is_empty:
+            self._observe_step(budget, batch, num_decode_tokens, self.clock.now() - start_s)
+        self.update_gauges()
+        return outputs
+
+    def _observe_step(
+        self, budget: TokenBudget, batch: ScheduledBatch, num_decode_tokens: int, step_s: float
+    ) -> None:
+        num_tokens = batch.num_batched_tokens
+        predicted_s = budget.model.predict(num_tokens) if budget.model.is_ready else None
+        scheduler = self.scheduler
+        record = StepRecord(
+            num_prefill_tokens=num_tokens - num_decode_tokens,
+            num_decode_tokens=num_decode_tokens,
+            step_s=step_s,
+            num_running=scheduler.num_running,
+            num_decoding=scheduler.num_decoding,
+            num_queued_tokens=scheduler.num_queued_tokens,
+        )
+        state = budget.observe_step(record)
+        scheduler.set_limits(state.token_budget, state.max_running)
+        if self.metrics is not None:
+            self.metrics.step_observed_s.set(step_s)
+            if predicted_s is not None:
+                self.metrics.step_predicted_s.set(predicted_s)
 
     def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         now_s = self.clock.now()
@@ -262,7 +328,13 @@ class LLMEngine:
 
     def _postprocess(self, state: RequestState, now_s: float) -> RequestOutput:
         seq = state.seq
+        last_token_s = state.last_token_s
         state.on_token(now_s, self.metrics)
+        if self.budget is not None:
+            if last_token_s is None:
+                self.budget.observe_ttft(now_s - state.arrival_s)
+            else:
+                self.budget.observe_itl(now_s - last_token_s)
         state.detokenizer.add(seq.token_ids[-1])
         if state.detokenizer.stopped and not seq.is_finished:
             self.scheduler.finish(seq.seq_id, FinishReason.STOP)
@@ -289,6 +361,11 @@ class LLMEngine:
         state.on_finished(self.clock.now(), self.metrics, reason)
         return state.output(reason)
 
+    def _publish_queue(self) -> None:
+        if self.budget is not None:
+            scheduler = self.scheduler
+            self.budget.observe_queue(scheduler.num_decoding, scheduler.num_queued_tokens)
+
     def update_gauges(self) -> None:
         """Publish the scheduler's state to the gauges (and the counters' increments)."""
         metrics = self.metrics
@@ -297,6 +374,9 @@ class LLMEngine:
         metrics.running.set(self.scheduler.num_running)
         metrics.waiting.set(self.scheduler.num_waiting)
         metrics.kv_usage.set(self.block_manager.usage())
+        scheduler = self.scheduler
+        metrics.token_budget.set(scheduler.token_budget or scheduler.max_num_batched_tokens)
+        metrics.running_limit.set(scheduler.max_running or scheduler.max_num_seqs)
         num_preemptions = self.scheduler.num_preemptions
         metrics.preemptions.inc(num_preemptions - self._num_preemptions_seen)
         self._num_preemptions_seen = num_preemptions

@@ -19,6 +19,7 @@ from fulcrum.loadgen.kserve import V2Inputs, V2Target, fetch_metadata, prepare_v
 from fulcrum.loadgen.llm import LlmInputs, LlmTarget, prepare_llm
 from fulcrum.loadgen.open_loop import run_open_loop
 from fulcrum.loadgen.results import BenchRun, Mode, PointResult, summarize_point
+from fulcrum.loadgen.row_stream import V2StreamTarget
 from fulcrum.loadgen.search import max_rate_under
 from fulcrum.loadgen.stats import Slo, parse_slo
 from fulcrum.loadgen.windows import MeasurePlan, WindowStats
@@ -108,7 +109,9 @@ class Bench:
             target = LlmTarget(endpoint, prepare_llm(endpoint, options.model, options.llm))
         else:
             meta = await fetch_metadata(endpoint, options.model)
-            target = V2Target(endpoint, prepare_v2(endpoint, meta, options.v2))
+            requests = prepare_v2(endpoint, meta, options.v2)
+            stream = options.v2.stream_rows
+            target = V2StreamTarget(endpoint, requests) if stream else V2Target(endpoint, requests)
         return cls(options, target, slos)
 
     async def point(self, mode: Mode, level: float) -> PointResult:
@@ -140,7 +143,10 @@ class Bench:
                 hooks=hooks,
             )
         split = server_stats.split(hooks.before, hooks.after)
-        result = summarize_point(mode, level, raw, self.slos, split, llm=options.openai)
+        result = summarize_point(
+            mode, level, raw, self.slos, split,
+            llm=options.openai, stream_rows=options.v2.stream_rows and not options.openai,
+        )  # fmt: skip
         self.on_point(result)
         return result
 
@@ -153,6 +159,7 @@ class Bench:
             label=options.label or options.model,
             api="openai" if options.openai else "v2",
             batch_size=options.v2.batch_size,
+            stream_rows=options.v2.stream_rows and not options.openai,
             arrivals=options.arrivals if options.rates or options.max_rate_under else "",
             slos=[str(s) for s in self.slos],
             started_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -62,6 +62,11 @@ def _add_input_args(p: argparse.ArgumentParser) -> None:
     inputs.add_argument("--length", default="16", help="words/tokens: N, A-B or MEAN:STD")
     inputs.add_argument("--input-file", type=Path, help="JSONL of real requests")
     inputs.add_argument("--binary", action="store_true", help="binary tensor extension")
+    inputs.add_argument(
+        "--stream-rows",
+        action="store_true",
+        help="v2 rows streamed back (/infer_stream): reports time to first rows",
+    )
     inputs.add_argument("--openai", action="store_true", help="OpenAI streaming completions")
     inputs.add_argument("--chat", action="store_true", help="with --openai: chat completions")
     inputs.add_argument("--max-tokens", type=int, default=64, help="with --openai")
@@ -119,6 +124,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
             lengths=lengths,
             input_file=args.input_file,
             binary=args.binary,
+            stream_rows=args.stream_rows,
             seed=args.seed,
         ),
         llm=LlmInputs(

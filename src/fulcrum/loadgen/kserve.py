@@ -1,4 +1,5 @@
-"""The KServe v2 target: reads the model's metadata, prebuilds infer requests, sends them."""
+"""The KServe v2 target: reads the model's metadata, prebuilds infer requests, sends them
+(to `/infer`, or to `/infer_stream` with `stream_rows`: see `loadgen/row_stream.py`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class V2Inputs(msgspec.Struct, frozen=True, kw_only=True):
     input_file: Path | None = None
     num_distinct: int = 16  # distinct synthetic bodies, reused round-robin
     binary: bool = False  # the binary-tensor extension instead of JSON tensors
+    stream_rows: bool = False  # POST to /infer_stream: rows come back as events (JSON outputs)
     seed: int = 0
 
 
@@ -47,17 +49,27 @@ async def fetch_metadata(endpoint: Endpoint, model: str) -> ModelMeta:
         raise ClientError(f"model '{model}' metadata is not KServe v2: {exc}") from exc
 
 
-def _post(endpoint: Endpoint, model: str, body: bytes, headers: dict[str, str]) -> bytes:
+def _post(
+    endpoint: Endpoint, model: str, body: bytes, headers: dict[str, str], *, stream: bool = False
+) -> bytes:
     headers = {"Content-Type": "application/json", **headers}
-    return build_request(endpoint, "POST", f"/v2/models/{model}/infer", headers=headers, body=body)
+    path = f"/v2/models/{model}/infer"
+    if stream:
+        headers["Accept"] = "text/event-stream"
+        path += "_stream"
+    return build_request(endpoint, "POST", path, headers=headers, body=body)
 
 
-def encode_request(endpoint: Endpoint, model: str, tensors: TensorMap, *, binary: bool) -> bytes:
-    """Raw HTTP bytes of one infer request (body encoded by `fulcrum.protocol`)."""
+def encode_request(
+    endpoint: Endpoint, model: str, tensors: TensorMap, *, binary: bool, stream: bool = False
+) -> bytes:
+    """Raw HTTP bytes of one infer request (body encoded by `fulcrum.protocol`); a streamed one
+    may send binary inputs but asks for JSON outputs, all a stream carries."""
     from fulcrum.protocol import encode_infer_request
 
-    body, headers = encode_infer_request(tensors, binary=binary)
-    return _post(endpoint, model, body, headers)
+    parameters: dict[str, object] = {"binary_data_output": False} if stream else {}
+    body, headers = encode_infer_request(tensors, binary=binary, parameters=parameters)
+    return _post(endpoint, model, body, headers, stream=stream)
 
 
 class _BodyInput(msgspec.Struct):
@@ -80,9 +92,12 @@ def _from_row(
         batched = bool(meta.inputs) and bool(meta.inputs[0].shape) and meta.inputs[0].shape[0] < 0
         first = body.inputs[0].shape if body.inputs else []
         num_rows = first[0] if batched and first else 1
-        return PreparedRequest(_post(endpoint, meta.name, msgspec.json.encode(row), {}), num_rows)
+        raw = _post(endpoint, meta.name, msgspec.json.encode(row), {}, stream=inputs.stream_rows)
+        return PreparedRequest(raw, num_rows)
     tensors = tensors_from_row(meta, row, inputs.batch_size)
-    raw = encode_request(endpoint, meta.name, tensors, binary=inputs.binary)
+    raw = encode_request(
+        endpoint, meta.name, tensors, binary=inputs.binary, stream=inputs.stream_rows
+    )
     return PreparedRequest(raw, num_rows_of(meta, tensors))
 
 
@@ -102,7 +117,9 @@ def prepare_v2(endpoint: Endpoint, meta: ModelMeta, inputs: V2Inputs) -> list[Pr
         tensors = synthetic_inputs(
             meta, num_rows=inputs.batch_size, lengths=inputs.lengths, rng=rng
         )
-        raw = encode_request(endpoint, meta.name, tensors, binary=inputs.binary)
+        raw = encode_request(
+            endpoint, meta.name, tensors, binary=inputs.binary, stream=inputs.stream_rows
+        )
         requests.append(PreparedRequest(raw, num_rows_of(meta, tensors)))
     return requests
 

@@ -6,17 +6,17 @@ after the scheduled send, ITL the gaps between chunks, TPOT (latency - TTFT) / (
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
-from fulcrum.client import ClientError, ClientTimeout, Connection, Endpoint, Stream, build_request
+from fulcrum.client import ClientError, Endpoint, Stream, build_request
 from fulcrum.errors import InvalidInput
 from fulcrum.loadgen.inputs import LengthDist, read_jsonl, synthetic_text
 from fulcrum.loadgen.records import Outcome
+from fulcrum.loadgen.streaming import StreamTarget
 
 
 class LlmInputs(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,51 +123,8 @@ async def read_events(stream: Stream, outcome: Outcome) -> None:
         outcome.num_output_tokens = num_chunks  # no usage report: one token per chunk
 
 
-class LlmTarget:
-    """Hands out slots that send the prepared streaming requests round-robin."""
+class LlmTarget(StreamTarget):
+    """Hands out slots that send the prepared streaming completions round-robin."""
 
     def __init__(self, endpoint: Endpoint, requests: list[bytes]) -> None:
-        if not requests:
-            raise InvalidInput("no requests to send")
-        self.endpoint = endpoint
-        self.requests = requests
-        self.num_sent = 0
-
-    def open_slot(self) -> LlmSlot:
-        return LlmSlot(self)
-
-
-class LlmSlot:
-    """One keep-alive connection sending streamed completions."""
-
-    def __init__(self, target: LlmTarget) -> None:
-        self.target = target
-        self.connection = Connection(target.endpoint)
-
-    async def send(self, timeout_s: float) -> Outcome:
-        target = self.target
-        raw = target.requests[target.num_sent % len(target.requests)]
-        target.num_sent += 1
-        try:
-            # The whole stream, not only its headers, must finish within the timeout.
-            async with asyncio.timeout(timeout_s):
-                return await self._exchange(raw)
-        except TimeoutError as exc:
-            self.connection.close()
-            raise ClientTimeout(f"stream not finished within {timeout_s:g} s") from exc
-        except BaseException:
-            self.connection.close()  # a half-read stream leaves the connection out of step
-            raise
-
-    async def _exchange(self, raw: bytes) -> Outcome:
-        stream = await self.connection.stream(raw)
-        outcome = Outcome(stream.status)
-        if not outcome.ok:
-            body = b"".join([c async for c in stream.chunks()])
-            outcome.error = body[:200].decode(errors="replace")
-            return outcome
-        await read_events(stream, outcome)
-        return outcome
-
-    def close(self) -> None:
-        self.connection.close()
+        super().__init__(endpoint, requests, read_events)

@@ -20,7 +20,7 @@ CSV_COLUMNS = (
     "p90_ms", "p95_ms", "p99_ms", "p999_ms", "max_ms", "num_requests", "num_ok", "errors",
     "server_queue_ms", "server_compute_ms", "mean_batch_size", "client_cpu", "num_behind",
     "max_lag_ms", "stable", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms",
-    "output_tokens_per_s",
+    "output_tokens_per_s", "first_rows_p50_ms", "first_rows_p99_ms",
 )  # fmt: skip
 
 
@@ -95,6 +95,18 @@ def llm_table(run: BenchRun) -> Table:
     return table
 
 
+def rows_table(run: BenchRun) -> Table:
+    """Streamed rows per point: time to first rows beside the whole answer's latency (ms)."""
+    table = Table(title=f"{run.label}  streamed rows (ms)")
+    for header in ("point", "first rows p50", "first rows p99", "all rows p50", "all rows p99"):
+        table.add_column(header, justify="right")
+    for p in run.points:
+        if p.first_rows is not None:
+            cells = [p.first_rows.p50_ms, p.first_rows.p99_ms, p.latency.p50_ms, p.latency.p99_ms]
+            table.add_row(p.label, *map(_ms, cells))
+    return table
+
+
 def compare_table(runs: Sequence[BenchRun]) -> Table:
     """Several labelled runs side by side, point by point: the trade-off at a glance."""
     table = Table(title="fulcrum bench compare  (latency ms)")
@@ -116,6 +128,8 @@ def print_run(run: BenchRun, console: Console | None = None) -> None:
     console.print(run_table(run))
     if run.api == "openai":
         console.print(llm_table(run))
+    if run.stream_rows:
+        console.print(rows_table(run))
     if run.search_bound is not None:
         answer = "none held" if run.max_rate_under is None else f"{run.max_rate_under:.1f} req/s"
         console.print(f"max rate under {run.search_bound}: [bold]{answer}[/bold]")
@@ -142,6 +156,8 @@ def csv_row(run: BenchRun, point: PointResult) -> dict[str, object]:
         "itl_p50_ms": llm.itl.p50_ms if llm else None,
         "tpot_p50_ms": llm.tpot.p50_ms if llm else None,
         "output_tokens_per_s": llm.output_tokens_per_s if llm else None,
+        "first_rows_p50_ms": point.first_rows.p50_ms if point.first_rows else None,
+        "first_rows_p99_ms": point.first_rows.p99_ms if point.first_rows else None,
     }  # fmt: skip
 
 

@@ -57,6 +57,8 @@ class PointResult(msgspec.Struct, frozen=True, kw_only=True):
     warnings: list[str]
     cdf_ms: list[float]  # sorted latency sample for the CDF plot
     llm: LlmFigures | None = None
+    # Streamed v2 rows (`--stream-rows`): first row event's arrival after the scheduled send.
+    first_rows: LatencySummary | None = None
 
     @property
     def label(self) -> str:
@@ -71,6 +73,7 @@ class BenchRun(msgspec.Struct, kw_only=True):
     label: str = ""
     api: Literal["v2", "openai"] = "v2"
     batch_size: int = 1
+    stream_rows: bool = False  # v2 requests went to /infer_stream
     arrivals: str = ""
     slos: list[str] = []
     started_at: str = ""
@@ -112,6 +115,11 @@ def llm_figures(records: Sequence[RequestRecord], duration_s: float) -> LlmFigur
     )
 
 
+def first_rows_figures(ok: Sequence[RequestRecord]) -> LatencySummary:
+    """Time to first rows over successful row streams: the first event after the schedule."""
+    return summarize_s([t for r in ok if (t := r.ttft_s) is not None])
+
+
 def _warnings(raw: RawPoint, num_requests: int, num_windows_stable: bool) -> list[str]:
     notes: list[str] = []
     if raw.client_cpu > MAX_CLIENT_CPU:
@@ -137,6 +145,7 @@ def summarize_point(
     server: ServerSplit,
     *,
     llm: bool = False,
+    stream_rows: bool = False,
 ) -> PointResult:
     """Figures of one load level from its records."""
     measurement = raw.measurement
@@ -171,4 +180,5 @@ def summarize_point(
         warnings=_warnings(raw, len(every), measurement.stable),
         cdf_ms=_cdf_sample(latencies_s),
         llm=llm_figures(every, duration_s) if llm else None,
+        first_rows=first_rows_figures(ok) if stream_rows else None,
     )

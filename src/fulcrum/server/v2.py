@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from fulcrum.context import RequestContext
-from fulcrum.errors import Forbidden, InvalidInput
-from fulcrum.protocol import decode_infer_request, encode_infer_response
+from fulcrum.errors import Forbidden, FulcrumError, InvalidInput
+from fulcrum.protocol import InferRequest, decode_infer_request, encode_infer_response
+from fulcrum.protocol.stream import (
+    EVENT_STREAM_TYPE,
+    check_json_outputs,
+    encode_error_event,
+    encode_rows_event,
+)
 from fulcrum.server.http import (
     Endpoint,
     endpoint,
@@ -25,6 +33,7 @@ from fulcrum.server.http import (
 )
 from fulcrum.service import Service
 
+log = logging.getLogger(__name__)
 MAX_MANAGEMENT_BODY_BYTES = 1 << 20
 
 
@@ -50,6 +59,8 @@ class V2Api:
         table: list[tuple[str, Endpoint, list[str]]] = [
             (f"{m}/infer", self.infer, ["POST"]),
             (f"{mv}/infer", self.infer, ["POST"]),
+            (f"{m}/infer_stream", self.infer_stream, ["POST"]),
+            (f"{mv}/infer_stream", self.infer_stream, ["POST"]),
             ("/v2/health/live", self.live, ["GET"]),
             ("/v2/health/ready", self.ready, ["GET"]),
             ("/v2", self.server_metadata, ["GET"]),
@@ -91,19 +102,21 @@ class V2Api:
         ctx = request_context(request, "v2")
         return json_response(self.service.model_config(ctx, request.path_params["model"]))
 
-    async def infer(self, request: Request) -> Response:
-        ctx = request_context(request, "v2")
-        name = request.path_params["model"]
-        version = _version(request)
+    async def _decode(self, request: Request) -> tuple[bytes, InferRequest]:
+        """The body and its infer request (JSON, or the binary-tensor extension)."""
         body = await read_body(request, self.service.settings.max_body_bytes)
         raw_length = request.headers.get("inference-header-content-length")
         header_length = (
             None if raw_length is None
             else parse_count(raw_length, "Inference-Header-Content-Length")
         )  # fmt: skip
-        infer_request = await off_loop_if_large(
-            len(body), decode_infer_request, body, header_length
-        )
+        return body, await off_loop_if_large(len(body), decode_infer_request, body, header_length)
+
+    async def infer(self, request: Request) -> Response:
+        ctx = request_context(request, "v2")
+        name = request.path_params["model"]
+        version = _version(request)
+        body, infer_request = await self._decode(request)
         served, result = await until_disconnect(
             request, self.service.infer(ctx, name, version, infer_request)
         )
@@ -117,6 +130,32 @@ class V2Api:
             f"batch;desc={result.batch_size}"
         )
         return Response(payload, headers=headers)
+
+    async def infer_stream(self, request: Request) -> Response:
+        """`/infer`'s body answered as server-sent events, one per chunk of rows, in row order;
+        errors before the first row are ordinary error responses."""
+        ctx = request_context(request, "v2")
+        name = request.path_params["model"]
+        version = _version(request)
+        _, infer_request = await self._decode(request)
+        check_json_outputs(infer_request)
+        stream = await self.service.infer_stream(ctx, name, version, infer_request)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream:
+                    yield encode_rows_event(
+                        name, str(stream.version), infer_request.id, chunk.result.outputs,
+                        infer_request.outputs, row_offset=chunk.span.row_offset,
+                        num_rows=chunk.span.num_rows, final=chunk.final,
+                    )  # fmt: skip
+            except FulcrumError as exc:  # a later chunk failed: the rest is cancelled; say so
+                yield encode_error_event(exc.message, exc.status_code)
+            except Exception:
+                log.exception("stream of %s failed", request.url.path)
+                yield encode_error_event("internal server error", 500)
+
+        return _EventStream(events(), on_close=stream.aclose)
 
     async def statistics(self, request: Request) -> Response:
         ctx = request_context(request, "v2")
@@ -143,6 +182,23 @@ class V2Api:
         if not self.admin_allowed(request):
             raise Forbidden("management API needs the admin token on this address (--admin-token)")
         return request_context(request, "management")
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends: finished, failed, or cut off by a
+    client that went away (Starlette cancels the body iterator then, without closing it)."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(
+            events, media_type=EVENT_STREAM_TYPE, headers={"Cache-Control": "no-cache"}
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 def _config_override(body: dict[str, object]) -> dict[str, object] | None:

@@ -1,0 +1,181 @@
+"""The SLO-aware adaptive batch policy: batches as large as the queued requests' deadlines allow.
+
+Each request is due at enqueue + `slo_p99_ms` (sooner when its own timeout says so). The policy
+keeps an online model of batch run time (`LatencyModel`) and, whenever an instance is free:
+sheds the requests that would miss their deadline even if they ran next alone (503, Retry-After
+= the queue's predicted drain time), or moves them behind their level when its queue policy says
+"delay"; then takes, earliest deadline first (levels strictly in order), the largest batch that
+still finishes before the earliest deadline and within the per-batch share of the SLO; and waits
+(up to max_queue_delay_ms) only while waiting cannot make the earliest request miss. It also
+bounds the queue (when the config does not) at what the instances drain within the SLO.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from fulcrum.config import ModelConfig
+from fulcrum.latency_model import LatencyModel
+from fulcrum.pending import DELAYED, Pending, PendingQueue
+from fulcrum.policy import BatchRecord, Plan
+
+MEAN_ROWS_WEIGHT = 0.05  # EWMA weight of one batch in the mean rows per request
+# Share of the SLO's waiting time the derived queue bound fills: the model times the backend
+# only, not the event loop's work between batches, so a queue it fills exactly drains late.
+QUEUE_HEADROOM = 0.8
+
+
+class AdaptivePolicy:
+    """EDF batching under a latency SLO, fitted online; `plan` runs once per batch, not per item."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        batching = config.dynamic_batching
+        if batching is None or not batching.slo_p99_ms > 0 or config.max_batch_size < 1:
+            raise ValueError("the adaptive policy needs batching, max_batch_size and slo_p99_ms")
+        self.max_batch_size = config.max_batch_size
+        self.num_instances = config.instances.count
+        self.slo_s = batching.slo_p99_ms / 1000
+        self.batch_budget_s = self.slo_s * batching.slo_batch_fraction
+        self.max_queue_delay_s = batching.max_queue_delay_ms / 1000
+        self.model = LatencyModel()
+        self.batch_limit = self.max_batch_size  # rows one batch may hold now
+        self.queue_bound = 0  # derived bound (0: not measured yet, the queue's default holds)
+        self.full_retry_after_s = 1.0  # drain time of a full queue
+        self.num_shed = 0
+        self.last_predicted_s = self.last_observed_s = 0.0
+        self._mean_rows = 1.0
+        self._busy_until: list[float] = []  # predicted ends of running batches (min-heap)
+        self._bound_changed = False
+
+    def plan(self, queue: PendingQueue, now: float) -> Plan:
+        """Time out, shed the hopeless, then run the largest on-time batch or say when to look."""
+        rejected = tuple(queue.expire(now))
+        if self._bound_changed:
+            self._bound_changed = False
+            queue.set_derived_bound(self.queue_bound)
+            queue.retry_after_s = self.full_retry_after_s
+        shed = self._shed_hopeless(queue, now)
+        retry_after_s = self.drain_s(queue.num_rows, now) if shed else 0.0
+        head = next(queue.live(), None)
+        if head is None:
+            return Plan(reject=rejected, shed=shed, retry_after_s=retry_after_s)
+        # The largest batch that still finishes by the head's deadline, within the budget.
+        by_deadline = self.batch_limit
+        if head.state != DELAYED:  # a late one runs with the largest batch allowed
+            by_deadline = self.model.max_rows(head.due_s - now)
+        max_rows = max(head.num_rows, min(self.batch_limit, by_deadline))
+        items, num_rows, can_grow = self._fill(queue, now, head, max_rows)
+        if can_grow and num_rows < max_rows and self.max_queue_delay_s > 0:
+            oldest_s = min(item.enqueue_s for item in items)
+            wake_at_s = min(
+                oldest_s + self.max_queue_delay_s, head.due_s - self.model.predict(max_rows)
+            )
+            if now < wake_at_s:
+                next_deadline_s = queue.next_deadline_s
+                if next_deadline_s is not None:
+                    wake_at_s = min(wake_at_s, next_deadline_s)
+                return Plan(
+                    reject=rejected, shed=shed, retry_after_s=retry_after_s, wake_at_s=wake_at_s
+                )
+        queue.take(items)
+        predicted_s = self.model.predict(num_rows)
+        busy = self._busy_until
+        heapq.heappush(busy, now + predicted_s)
+        if len(busy) > self.num_instances:  # a batch dropped unrun (all cancelled) never ends
+            heapq.heappop(busy)
+        return Plan(run=tuple(items), reject=rejected, shed=shed, retry_after_s=retry_after_s)
+
+    def observe(self, record: BatchRecord) -> None:
+        """Refit the run-time model on one finished batch; refresh the limits that follow."""
+        if self._busy_until:
+            heapq.heappop(self._busy_until)
+        if record.failed:  # a failure's time says nothing about the model's speed
+            return
+        # Predicted before this batch taught the model anything: the error it really made.
+        self.last_predicted_s = self.model.predict(record.batch_size)
+        self.last_observed_s = record.compute_s
+        self.model.observe(record.batch_size, record.compute_s)
+        for num_rows, compute_s in record.retried_batches:
+            self.model.observe(num_rows, compute_s)
+        rows_per_request = record.batch_size / max(1, record.num_requests)
+        self._mean_rows += MEAN_ROWS_WEIGHT * (rows_per_request - self._mean_rows)
+        self._refresh()
+
+    def drain_s(self, num_rows: int, now: float) -> float:
+        """Predicted seconds until `num_rows` queued rows and the running batches are done."""
+        limit = max(1, self.batch_limit)
+        full, rest = divmod(num_rows, limit)
+        work_s = sum(max(0.0, end_s - now) for end_s in self._busy_until)
+        work_s += full * self.model.predict(limit) + (self.model.predict(rest) if rest else 0.0)
+        return work_s / self.num_instances
+
+    def state(self) -> dict[str, object]:
+        fit = self.model.fit()
+        return {
+            "name": "adaptive",
+            "slo_p99_ms": self.slo_s * 1000,
+            "batch_fixed_ms": fit.a_s * 1000,
+            "batch_row_ms": fit.c_s * 1000,
+            "batches_observed": self.model.num_observed,
+            "speed_changes": fit.num_shifts,
+            "batch_limit": self.batch_limit,
+            "predicted_batch_ms": self.last_predicted_s * 1000,
+            "observed_batch_ms": self.last_observed_s * 1000,
+            "queue_bound": self.queue_bound,
+            "shed_deadline": self.num_shed,
+        }
+
+    def _shed_hopeless(self, queue: PendingQueue, now: float) -> tuple[Pending, ...]:
+        # Only heads can be hopeless first: EDF puts the earliest deadline in front, and one
+        # that fits leaves the rest (later deadlines) to later plans. Collect, then act: acting
+        # reorders the heap under the iterator.
+        hopeless: list[Pending] = []
+        for level in range(1, queue.num_levels + 1):
+            for item in queue.level_items(level):
+                if item.state == DELAYED or now + self.model.predict(item.num_rows) <= item.due_s:
+                    break
+                hopeless.append(item)
+        shed = tuple(item for item in hopeless if item.timeout_action != "delay")
+        for item in hopeless:
+            if item.timeout_action == "delay":
+                queue.delay(item)  # runs late, after its level's on-time requests
+        if shed:
+            queue.take(shed)
+            self.num_shed += len(shed)
+        return shed
+
+    def _fill(
+        self, queue: PendingQueue, now: float, head: Pending, max_rows: int
+    ) -> tuple[list[Pending], int, bool]:
+        # Service order (levels first, EDF within), stopping where the batch cannot grow (like
+        # Triton: no skipping ahead to a smaller item). Lower-level items join only when they
+        # would still make their own deadline.
+        items: list[Pending] = []
+        num_rows = 0
+        finish_s = now + self.model.predict(max_rows)
+        for item in queue.live():
+            if item.key != head.key or num_rows + item.num_rows > max_rows:
+                return items, num_rows, False
+            if items and item.level != head.level and item.due_s < finish_s:
+                return items, num_rows, False
+            items.append(item)
+            num_rows += item.num_rows
+        return items, num_rows, True
+
+    def _refresh(self) -> None:
+        model = self.model
+        rows = model.max_rows(self.batch_budget_s)
+        self.batch_limit = min(self.max_batch_size, max(1, rows))
+        if not model.trusted:
+            return
+        limit_s = model.predict(self.batch_limit)
+        capacity_rows_s = self.num_instances * self.batch_limit / limit_s
+        # Admitted requests must drain, then run in their own batch, within the SLO.
+        wait_s = max(self.slo_s - limit_s, limit_s) * QUEUE_HEADROOM
+        floor = self.num_instances * self.batch_limit
+        bound = max(floor, math.floor(capacity_rows_s * wait_s / self._mean_rows))
+        self.full_retry_after_s = bound * self._mean_rows / capacity_rows_s
+        if bound != self.queue_bound:
+            self.queue_bound = bound
+            self._bound_changed = True

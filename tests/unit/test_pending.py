@@ -1,0 +1,73 @@
+"""PendingQueue: bounded by default, EDF order for the adaptive policy; a fake clock, no sleeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from fulcrum.batcher import BatchRecord
+from fulcrum.config import DynamicBatching, ModelConfig, QueuePolicy, validate
+from fulcrum.errors import QueueFull
+from fulcrum.pending import Pending, PendingQueue
+from fulcrum.policy import TritonPolicy
+
+
+def make_config(max_batch_size: int = 8, **settings: object) -> ModelConfig:
+    config = ModelConfig(
+        name="m",
+        platform="echo",
+        max_batch_size=max_batch_size,
+        dynamic_batching=DynamicBatching(**settings),  # type: ignore[arg-type]
+    )
+    validate(config)
+    return config
+
+
+def fill(queue: PendingQueue, count: int) -> None:
+    for _ in range(count):
+        queue.admit(Pending(1, "k", 0.0), priority=None, timeout_s=None)
+
+
+def test_a_level_without_max_queue_size_is_bounded_by_default() -> None:
+    # Before issue 11 an unset max_queue_size meant unbounded: overload grew the queue forever.
+    queue = PendingQueue(make_config(2))
+    assert queue.bound(1) == 64 * 2
+    fill(queue, 128)
+    with pytest.raises(QueueFull, match="128 requests waiting"):
+        fill(queue, 1)
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_zero_or_minus_one_keeps_the_queue_unbounded(size: int) -> None:
+    queue = PendingQueue(make_config(1, default_queue_policy=QueuePolicy(max_queue_size=size)))
+    fill(queue, 200)
+    assert queue.depth(1) == 200 and queue.bound(1) == 0
+
+
+def test_a_derived_bound_replaces_only_the_default_one() -> None:
+    fixed = QueuePolicy(max_queue_size=3)
+    queue = PendingQueue(make_config(8, priority_levels=2, priority_queue_policy={"1": fixed}))
+    queue.set_derived_bound(5)
+    assert (queue.bound(1), queue.bound(2)) == (3, 5)
+
+
+def test_edf_queue_serves_each_level_by_deadline() -> None:
+    config = make_config(8, priority_levels=2, policy="adaptive", slo_p99_ms=100.0)
+    queue = PendingQueue(config)
+    items = [Pending(1, "k", t) for t in (0.0, 0.01, 0.02, 0.03)]
+    queue.admit(items[0], priority=2, timeout_s=None)  # due 0.100
+    queue.admit(items[1], priority=1, timeout_s=None)  # due 0.110
+    queue.admit(items[2], priority=1, timeout_s=0.05)  # due 0.070
+    queue.admit(items[3], priority=1, timeout_s=None)  # due 0.130
+    assert [item.due_s for item in items] == pytest.approx([0.1, 0.11, 0.07, 0.13])
+    assert list(queue.live()) == [items[2], items[1], items[3], items[0]]
+    queue.take([items[2], items[1]])
+    assert list(queue.live()) == [items[3], items[0]] and queue.num_rows == 2
+
+
+def test_triton_policy_learns_nothing_and_says_so() -> None:
+    queue, policy = PendingQueue(make_config(4)), TritonPolicy(make_config(4))
+    policy.observe(BatchRecord(4, 4, 9.0, [], False))
+    assert policy.state() == {"name": "triton", "batch_limit": 4}
+    fill(queue, 6)
+    plan = policy.plan(queue, 0.0)
+    assert len(plan.run) == 4 and plan.shed == () and len(queue) == 2
