@@ -1,0 +1,227 @@
+"""Both ends of the load range (`adaptive_vs_static.py --ends`): Fulcrum beside the simplest
+server a user could write, in one run, open loop.
+
+Servers, all up at once on 127.0.0.1 and measured in turn, interleaved per rate and repeat with
+the same arrival times: `fulcrum serve --model minilm` with the shipped config; the same with
+`policy = "adaptive"` (a second server on a copy of the repository; skipped when the key does not
+load); any `--variant NAME:KEY=VALUE,...` (more copies, e.g. `spin:parameters.allow_spinning=
+true` to see what one setting contributes); and memory_at_rest.py's bare FastAPI + ONNX Runtime
+app, here with ONNX Runtime's default session options (threads = cores, spinning on).
+
+Light load: Poisson at 2, 5 and 10 requests/s, P50 and P99. Mid load: 50% and 80% of the shipped
+config's closed-loop capacity, each repeated --repeats times (P99 of each and their spread). Then
+the highest Poisson rate whose P99 (a failure counting as late) is <= the SLO, by the load
+generator's bisection (`max_rate_under`), for each server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from corpus import sentences
+from health_under_flood import serving
+from load_trace import reload
+from memory_at_rest import BASELINE
+from memory_at_rest import server as bare_server
+from serving_efficiency import apply_overrides
+
+from fulcrum.client import Endpoint, build_request
+from fulcrum.demo import free_port
+from fulcrum.loadgen.bench import Bench, BenchOptions
+from fulcrum.loadgen.kserve import PreparedRequest, V2Target
+from fulcrum.loadgen.results import PointResult
+from fulcrum.loadgen.search import max_rate_under
+from fulcrum.loadgen.stats import Slo
+from fulcrum.loadgen.windows import MeasurePlan
+
+# memory_at_rest's baseline uses minilm's tuned session options; the simplest app keeps ORT's.
+TUNED_ORT = """options.intra_op_num_threads = 2
+options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+"""
+BARE = "bare FastAPI + ORT (defaults)"
+
+
+def add_ends_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument_group("--ends").add_argument
+    add("--light-rates", default="2,5,10", help="light-load rates, requests/s")
+    add("--light-s", type=float, default=15.0, help="measured seconds per light-load point")
+    add("--mid", default="0.5,0.8", help="mid-load rates as fractions of capacity")
+    add("--mid-s", type=float, default=6.0, help="measured seconds per mid-load point")
+    add("--repeats", type=int, default=3, help="repeats of each mid-load rate")
+    add("--search-s", type=float, default=5.0, help="seconds per point of the rate search")
+    add("--no-search", action="store_true", help="skip the max-rate-under search")
+    add("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+        help="one more Fulcrum server with these config.toml overrides")  # fmt: skip
+
+
+def bare_app() -> str:
+    """memory_at_rest's baseline app with ONNX Runtime's default session options."""
+    if TUNED_ORT not in BASELINE:
+        raise RuntimeError("memory_at_rest.BASELINE changed: update TUNED_ORT here")
+    return BASELINE.replace(TUNED_ORT, "")
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    requests: list[PreparedRequest]
+    points: dict[str, list[PointResult]] = field(default_factory=dict)
+    max_rate: float | None = None
+
+
+def bare_requests(url: str, texts: list[str]) -> list[PreparedRequest]:
+    endpoint = Endpoint.from_url(url)
+    headers = {"Content-Type": "application/json"}
+    out = []
+    for text in texts:
+        body = json.dumps({"texts": [text]}).encode()
+        out.append(PreparedRequest(build_request(endpoint, "POST", "/embed", headers=headers,
+                                                 body=body), 1))  # fmt: skip
+    return out
+
+
+def copy_with(repo: Path, dest: Path, assignments: list[str]) -> Path:
+    """A repository holding a copy of minilm with `assignments` applied to its config.toml."""
+    shutil.copytree(repo / "minilm", dest / "minilm")
+    apply_overrides(dest / "minilm" / "config.toml", assignments)
+    return dest
+
+
+@contextmanager
+def servers(repo: Path, args: argparse.Namespace) -> Iterator[list[Server]]:
+    from adaptive_vs_static import adaptive_loads, v2_requests
+
+    texts = sentences(256, args.words, seed=1)
+    logs = args.out
+    with ExitStack() as stack:
+        url, _ = stack.enter_context(serving(repo, args.src.resolve(), logs / "shipped.log"))
+        out = [Server("fulcrum shipped", url, v2_requests(url, 256, args.words))]
+        why_not = adaptive_loads(url, args.slo_ms, args.profile)
+        reload(url, "minilm", None)
+        variants = [v.split(":", 1) for v in args.variant]
+        if why_not is None:
+            batching = ['dynamic_batching.policy="adaptive"',
+                        f"dynamic_batching.slo_p99_ms={args.slo_ms}"]  # fmt: skip
+            if args.profile:
+                batching.append(f'dynamic_batching.profile="{args.profile}"')
+            variants.insert(0, ["fulcrum adaptive", ",".join(batching)])
+        else:
+            print(f"adaptive does not load; measured without it: {why_not}", flush=True)
+        for i, (name, assignments) in enumerate(variants):
+            copy = copy_with(repo, args.out / f"repo{i}", assignments.split(","))
+            url, _ = stack.enter_context(serving(copy, args.src.resolve(), logs / f"v{i}.log"))
+            out.append(Server(name, url, v2_requests(url, 256, args.words)))
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-c", bare_app(), str(repo / "minilm" / "1"), str(port)]
+        stack.enter_context(bare_server(command, f"{url}/health", logs / "bare.log"))
+        out.append(Server(BARE, url, bare_requests(url, texts)))
+        yield out
+
+
+def point(server: Server, rate: float, seconds: float, slo: Slo, seed: int) -> PointResult:
+    from adaptive_vs_static import run_async
+
+    plan = MeasurePlan(warmup_s=1.0, window_s=seconds, max_duration_s=seconds, num_stable=1)
+    options = BenchOptions(model="minilm", url=server.url, plan=plan, seed=seed, timeout_s=10.0)
+    target = V2Target(Endpoint.from_url(server.url), server.requests)
+    return run_async(Bench(options, target, [slo]).point("rate", rate))
+
+
+def search(server: Server, start_rate: float, seconds: float, slo: Slo) -> float | None:
+    from adaptive_vs_static import run_async
+
+    async def evaluate(rate: float) -> PointResult:
+        plan = MeasurePlan(warmup_s=1.0, window_s=seconds, max_duration_s=seconds, num_stable=1)
+        options = BenchOptions(model="minilm", url=server.url, plan=plan, timeout_s=10.0)
+        target = V2Target(Endpoint.from_url(server.url), server.requests)
+        return await Bench(options, target, [slo]).point("rate", rate)
+
+    found = run_async(max_rate_under(evaluate, start_rate=start_rate, rel_tolerance=0.08,
+                                     max_steps=9))  # fmt: skip
+    return found.best_rate
+
+
+def run_ends(repo: Path, args: argparse.Namespace) -> int:
+    from adaptive_vs_static import capacity_rps
+
+    slo = Slo(bound_ms=args.slo_ms, percentile=99.0)
+    light = [float(r) for r in args.light_rates.split(",")]
+    mid = [float(f) for f in args.mid.split(",")]
+    with servers(repo, args) as all_servers:
+        shipped = all_servers[0]
+        target = V2Target(Endpoint.from_url(shipped.url), shipped.requests)
+        capacity = max(capacity_rps(shipped.url, target, args.capacity_s) for _ in range(2))
+        print(f"capacity of the shipped config: {capacity:.1f} req/s", flush=True)
+        plan = [(f"{r:g} rps", r, args.light_s, 0) for r in light]
+        plan += [(f"{f:.0%} cap", f * capacity, args.mid_s, k) for k in range(args.repeats)
+                 for f in mid]  # fmt: skip
+        for label, rate, seconds, k in plan:
+            for server in all_servers:
+                p = point(server, rate, seconds, slo, seed=args.seed + k)
+                server.points.setdefault(label, []).append(p)
+                print(f"  {server.name:34} {label:>8} ({rate:5.1f}/s) P50 {p.latency.p50_ms:6.1f}"
+                      f" P99 {p.latency.p99_ms:7.1f} ms errors {p.errors}", flush=True)  # fmt: skip
+        if not args.no_search:
+            for server in all_servers:
+                server.max_rate = search(server, max(8.0, 0.5 * capacity), args.search_s, slo)
+                print(f"  {server.name}: max rate with P99 <= {args.slo_ms:g} ms: "
+                      f"{server.max_rate}", flush=True)  # fmt: skip
+    ends_report(all_servers, capacity, args)
+    return 0
+
+
+def ends_report(all_servers: list[Server], capacity: float, args: argparse.Namespace) -> None:
+    labels = list(all_servers[0].points)
+    print(
+        f"\ncapacity {capacity:.1f} req/s; P50 / P99 ms of the answered requests (each repeat "
+        "for mid-load rates); (miss): P99 over the SLO once a 503 or a timeout counts as late"
+    )
+    print("| server | " + " | ".join(labels) + " | max rate P99<=SLO |")
+    print("|---|" + "---:|" * (len(labels) + 1))
+    for server in all_servers:
+        cells = []
+        for label in labels:
+            points = server.points[label]
+            cells.append(", ".join(f"{p.latency.p50_ms:.1f} / {p.latency.p99_ms:.0f}"
+                                   + ("" if not p.errors else f" {p.errors}")
+                                   + ("" if p.slo_met else " (miss)")
+                                   for p in points))  # fmt: skip
+        rate = "-" if server.max_rate is None else f"{server.max_rate:.1f}"
+        print(f"| {server.name} | " + " | ".join(cells) + f" | {rate} |")
+    bare = all_servers[-1]
+    for server in all_servers[:-1]:
+        spread = {label: [p.latency.p99_ms for p in server.points[label]] for label in labels}
+        mid = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in spread.items() if len(v) > 1}
+        ratio = (f"{server.max_rate / bare.max_rate:.2f}x" if server.max_rate and bare.max_rate
+                 else "-")  # fmt: skip
+        print(f"{server.name}: mid-load P99 spread {mid}; max rate vs bare {ratio} (goal 1.5x)")
+    data = {s.name: {"max_rate": s.max_rate, "points": _points_json(s)} for s in all_servers}
+    (args.out / "ends.json").write_text(json.dumps({"capacity_rps": capacity, **data}, indent=1))
+
+
+def _points_json(server: Server) -> dict[str, list[dict[str, object]]]:
+    return {
+        label: [
+            {
+                "rate": p.level,
+                "p50_ms": p.latency.p50_ms,
+                "p99_ms": p.latency.p99_ms,
+                "errors": p.errors,
+                "n": p.num_requests,
+                "slo_met": p.slo_met,
+            }
+            for p in points
+        ]
+        for label, points in server.points.items()
+    }

@@ -1,0 +1,90 @@
+"""benchmarks/adaptive_vs_static.py imports, answers --help, and its trace bookkeeping is right.
+
+The benchmark itself (servers, timings) is not run here: speed is never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fulcrum.loadgen.records import STATUS_TIMEOUT, Outcome, RequestRecord
+from fulcrum.loadgen.stats import Slo
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the benchmarks import their siblings by name
+load_trace = importlib.import_module("load_trace")
+Step = load_trace.Step
+
+
+def test_help_names_every_mode() -> None:
+    script = BENCHMARKS / "adaptive_vs_static.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    for flag in ("--ends", "--llm", "--repository", "--out", "--slo-ms", "--variant"):
+        assert flag in done.stdout
+
+
+def test_defaults_parse() -> None:
+    adaptive_vs_static = importlib.import_module("adaptive_vs_static")
+    args = adaptive_vs_static.parse_args([])
+    assert args.slo_ms == 100.0 and args.peak == 1.5 and not args.ends and not args.llm
+    assert adaptive_vs_static.adaptive_override(100.0, None) == {
+        "dynamic_batching": {"policy": "adaptive", "slo_p99_ms": 100.0}
+    }
+
+
+def test_ramp_goes_up_to_the_peak_and_back_with_two_bursts() -> None:
+    steps = load_trace.ramp_trace(2.0, low=0.1, peak=1.5, num_levels=8, burst_s=1.0, burst_load=2.0)
+    plain = [s.load for s in steps if not s.burst]
+    assert plain[0] == plain[-1] == 0.1 and max(plain) == 1.5
+    assert plain.index(1.5) == 7 and plain == plain[::-1]
+    assert [s.load for s in steps if s.burst] == [2.0, 2.0]
+    assert all(a.end_s == b.start_s for a, b in itertools.pairwise(steps))
+    assert steps[-1].end_s == 15 * 2.0 + 2 * 1.0
+
+
+def test_arrivals_replay_identically_and_follow_each_steps_rate() -> None:
+    steps = [Step(0.0, 20.0, 0.1), Step(20.0, 20.0, 1.0)]
+    first = load_trace.arrival_times(steps, 100.0, seed=3)
+    assert first == load_trace.arrival_times(steps, 100.0, seed=3)
+    low = sum(1 for t in first if t < 20.0)
+    high = len(first) - low
+    assert 150 < low < 250 and 1800 < high < 2200  # 10/s and 100/s for 20 s each
+    assert first == sorted(first) and first[-1] < 40.0
+
+
+def _record(scheduled_s: float, latency_s: float, status: int = 200) -> RequestRecord:
+    return RequestRecord(scheduled_s, scheduled_s, scheduled_s + latency_s, Outcome(status))
+
+
+def test_steps_count_by_scheduled_time_and_widest_load_stops_at_the_first_miss() -> None:
+    steps = [Step(0.0, 1.0, 0.1), Step(1.0, 1.0, 0.5), Step(2.0, 1.0, 1.0), Step(3.0, 1.0, 0.5)]
+    records = [_record(0.5, 0.01), _record(0.6, 0.02)]  # step 0: all good
+    records += [_record(1.5, 0.05) for _ in range(100)]  # step 1: all good
+    records += [_record(2.5, 0.5), _record(2.6, 0.0, 503)]  # step 2: late and shed
+    # step 3 (load 0.5 again, after the peak): one timeout in 50 -> 98% good, below 99%
+    records += [_record(3.5, 0.05) for _ in range(49)] + [_record(3.9, 5.0, STATUS_TIMEOUT)]
+    run = load_trace.Replayed(start_s=0.0, records=records)
+    good = lambda r: r.outcome.ok and r.latency_s <= 0.1  # noqa: E731
+    results = load_trace.summarize_steps(run, steps, [Slo(bound_ms=100.0, percentile=99.0)], good)
+    assert [(s.offered, s.good, s.shed, s.timed_out) for s in results] == [
+        (2, 2, 0, 0),
+        (100, 100, 0, 0),
+        (2, 0, 1, 0),
+        (50, 49, 0, 1),
+    ]
+    assert results[2].p99_ms["latency"] == pytest.approx(500.0)
+    policy = load_trace.PolicyResult("p", None, results, 4.0)
+    assert policy.steps_within() == [True, True, False, False]
+    # 0.5 missed on the way down, so the range where the SLO held ends at 0.1
+    assert policy.widest_load() == 0.1
+    assert policy.goodput_rps == pytest.approx(151 / 4.0)
+    assert policy.shed == 1 and policy.timed_out == 1
