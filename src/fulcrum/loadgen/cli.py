@@ -19,7 +19,8 @@ EXIT_ERROR = 1
 EXIT_UNREACHABLE = 2
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers (`1,2,4`)."""
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -35,7 +36,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     load = p.add_argument_group("load")
-    load.add_argument("--concurrency", type=_ints, default=(), help="closed loop: e.g. 1,2,4,8")
+    load.add_argument("--concurrency", type=int_list, default=(), help="closed loop: e.g. 1,2,4,8")
     load.add_argument("--rate", type=_floats, default=(), help="open loop requests/s: 50,100")
     load.add_argument("--arrivals", default="poisson", choices=("poisson", "constant", "gamma"))
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; <1 is bursty")
@@ -180,3 +181,10 @@ def main(args: argparse.Namespace) -> int:
     except FulcrumError as exc:
         print(f"fulcrum bench: {exc.message}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """MODEL, --repository and --version: how the tools that read a repository name a model."""
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--repository", type=Path, required=True, help="the model repository")
+    p.add_argument("--version", type=int, help="version folder (default: the highest)")

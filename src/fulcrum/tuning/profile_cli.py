@@ -8,17 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 from fulcrum.config import ModelConfig, check_model_name, load_model_config
 from fulcrum.errors import NotFound
+from fulcrum.loadgen.cli import add_model_arguments, int_list
 
 # Heavy modules (numpy work, backends, rich, matplotlib) load when the command runs.
 if TYPE_CHECKING:
     from fulcrum.tuning.profile_report import AnyResult
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4; got {text!r}") from None
 
 
 def _fraction(text: str) -> float:
@@ -43,19 +37,17 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="fixed-input baseline of a model run directly on its backend (no server)",
         description="fulcrum profile MODEL --repository DIR [--variant V | --all-variants]",
     )
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("--repository", type=Path, required=True, help="the model repository")
-    p.add_argument("--version", type=int, help="version folder (default: the highest)")
+    add_model_arguments(p)
     which = p.add_mutually_exclusive_group()
     which.add_argument("--variant", help="variant to profile (default: the model's default)")
     which.add_argument("--all-variants", action="store_true", help="profile each and compare")
     p.add_argument("--out", type=Path, help="write profile.json and profile.png here")
     sweep = p.add_argument_group("sweep")
     sweep.add_argument(
-        "--batch-sizes", type=_ints, default=(), help="e.g. 1,2,4 (default: doubling)"
+        "--batch-sizes", type=int_list, default=(), help="e.g. 1,2,4 (default: doubling)"
     )
     sweep.add_argument("--max-batch", type=int, default=0, help="0: max_batch_size / max_num_seqs")
-    sweep.add_argument("--lengths", type=_ints, default=(16, 64, 256), help="tokens or -1 dims")
+    sweep.add_argument("--lengths", type=int_list, default=(16, 64, 256), help="tokens or -1 dims")
     sweep.add_argument("--warmup", type=int, default=2, help="unmeasured runs per point")
     sweep.add_argument("--repeats", type=int, default=10, help="measured runs per point")
     sweep.add_argument("--max-seconds", type=float, default=10.0, help="per point")

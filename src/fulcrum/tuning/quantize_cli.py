@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulcrum.errors import FulcrumError
+from fulcrum.loadgen.cli import add_model_arguments, int_list
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -23,13 +24,6 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4; got {text!r}") from None
-
-
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add `quantize` to the top-level CLI's subparsers."""
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -37,9 +31,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="write FP16/INT8/INT4 variants of a model and measure their trade-offs",
         description="fulcrum quantize MODEL --repository DIR [--precisions fp16,int8,...]",
     )
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("--repository", type=Path, required=True, help="the model repository")
-    p.add_argument("--version", type=int, help="version folder (default: the highest)")
+    add_model_arguments(p)
     p.add_argument("--variant-from", help="reference variant (default: the default variant)")
     p.add_argument(
         "--precisions", type=_names, default=None, help="fp16,int8,int8-static,int4 (default: all)"
@@ -51,7 +43,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-measure", action="store_true", help="fidelity and size only")
     p.add_argument("--out", type=Path, help="write quantize.json here")
     measure = p.add_argument_group("measuring (as fulcrum profile)")
-    measure.add_argument("--batch-sizes", type=_ints, default=(), help="default: 1,2,4,... max")
+    measure.add_argument("--batch-sizes", type=int_list, default=(), help="default: 1,2,4,... max")
     measure.add_argument("--max-batch", type=int, default=0, help="0: max_batch_size")
     measure.add_argument("--repeats", type=int, default=10, help="measured runs per point")
     measure.add_argument("--seconds-per-point", type=float, default=10.0)
