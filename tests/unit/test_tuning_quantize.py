@@ -290,7 +290,7 @@ def test_gelu_search_stops_at_non_elementwise_ops() -> None:
 
 def test_errors_name_the_problem(tmp_path: Path) -> None:
     repo = _repository(tmp_path, classifier_graph(), "logits", 4)
-    with pytest.raises(NotFound, match="unknown model 'nope'"):
+    with pytest.raises(NotFound, match="no model 'nope'"):
         quantize_model(repo, "nope", NO_MEASURE)
     (repo / "tiny" / "1" / "model.onnx").unlink()
     with pytest.raises(ConfigError, match="no model file"):
@@ -364,7 +364,7 @@ def test_cli_exits_2_naming_the_problem(tmp_path: Path, capsys: pytest.CaptureFi
     assert "platform 'echo'" in capsys.readouterr().err
     args = _cli(["quantize", "ghost", "--repository", str(repo)])
     assert args.func(args) == 2
-    assert "unknown model 'ghost'" in capsys.readouterr().err
+    assert "no model 'ghost'" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -183,6 +183,11 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
+def name_list(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated names (`fp16,int8`), blanks dropped."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL, --repository and --version: how the tools that read a repository name a model."""
     p.add_argument("model", metavar="MODEL")

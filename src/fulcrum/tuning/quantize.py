@@ -20,10 +20,11 @@ from typing import Protocol
 import msgspec
 import tomlkit
 
-from fulcrum.config import ModelConfig, ParamValue, VariantFigures, load_model_config
-from fulcrum.errors import ConfigError, FulcrumError, NotFound
+from fulcrum.config import ModelConfig, ParamValue, VariantFigures
+from fulcrum.errors import ConfigError, FulcrumError
 from fulcrum.tuning.config_file import edit_config, set_values, set_variant
 from fulcrum.tuning.fidelity import Fidelity
+from fulcrum.tuning.locate import locate_model
 from fulcrum.tuning.profile import ProfileOptions
 from fulcrum.tuning.validation_set import DEFAULT_NUM_ROWS, ValidationSet, load_validation
 from fulcrum.variants import default_variant
@@ -162,33 +163,14 @@ def model_path(config: ModelConfig, version_dir: Path, default: str) -> Path:
     return path
 
 
-def version_folder(model_dir: Path, version: int | None) -> Path:
-    """The named version folder, or the highest numbered one."""
-    numbers = sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
-    if not numbers:
-        raise NotFound(f"model {model_dir.name!r}: no version folder (1/, 2/, ...)")
-    chosen = numbers[-1] if version is None else version
-    if chosen not in numbers:
-        raise NotFound(f"model {model_dir.name!r}: no version {chosen} (versions: {numbers})")
-    return model_dir / str(chosen)
-
-
-def load_config(repository: Path, model: str) -> tuple[Path, ModelConfig]:
-    """The model's config path and config; NotFound for an unknown model."""
-    path = repository / model / "config.toml"
-    if not path.is_file():
-        raise NotFound(f"unknown model {model!r}: no {path}")
-    return path, load_model_config(path, dir_name=model)
-
-
 def quantize_model(repository: Path, model: str, options: QuantizeOptions) -> QuantizeReport:
     """Write, measure and record each precision in `options`; the report of all of them."""
     unknown = [p for p in options.precisions if p not in PRECISIONS]
     if unknown or not options.precisions:
         raise ConfigError(f"precisions {unknown or []}: expected some of {list(PRECISIONS)}")
-    config_path, config = load_config(repository, model)
+    config, version_dir = locate_model(repository, model, options.version)
+    config_path = version_dir.parent / "config.toml"
     quantizer = quantizer_for(config.platform)
-    version_dir = version_folder(config_path.parent, options.version)
     reference, reference_params = _reference(config, options.variant_from, quantizer)
     ref_config = msgspec.structs.replace(
         config, parameters={**config.parameters, **reference_params}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulcrum.errors import FulcrumError
-from fulcrum.loadgen.cli import add_model_arguments, int_list
+from fulcrum.loadgen.cli import add_model_arguments, int_list, name_list
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 
 EXIT_ERROR = 2
 MB = 1_000_000
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -34,7 +30,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--variant-from", help="reference variant (default: the default variant)")
     p.add_argument(
-        "--precisions", type=_names, default=None, help="fp16,int8,int8-static,int4 (default: all)"
+        "--precisions",
+        type=name_list,
+        default=None,
+        help="fp16,int8,int8-static,int4 (default: all)",
     )
     p.add_argument("--validation", type=Path, help="JSONL rows of inputs (+ optional label)")
     p.add_argument("--rows", type=int, default=64, help="generated rows without --validation")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fulcrum.errors import FulcrumError, InvalidInput
+from fulcrum.loadgen.cli import name_list
 
 # Heavy modules load when the command runs, not when `fulcrum` builds its parser.
 if TYPE_CHECKING:
@@ -35,10 +36,6 @@ def slo_list(values: list[str]) -> tuple[str, ...]:
             parse_slo(part)  # a bad one fails here, before any reload
             texts.append(part)
     return tuple(texts)
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -68,7 +65,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--confirm", type=int, default=2, metavar="ROUNDS",
                    help="re-measure the current config and the winner ROUNDS times each, "
                    "alternating; the winner must still beat it (0: trust the search)")  # fmt: skip
-    p.add_argument("--only", type=_names, default=(), help=f"sweep only: {','.join(DIMENSIONS)}")
+    p.add_argument("--only", type=name_list, default=(), help=f"sweep only: {','.join(DIMENSIONS)}")
     p.add_argument("--cores", type=int, default=0, help="the server's cores (default: this one's)")
     p.add_argument("--apply", action="store_true", help="write the winner into config.toml")
     p.add_argument("--out", type=Path, help="write tune.json, pareto.png, config.diff here")
