@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
 
+from fulcrum.batch_request import InferResult, QueuedRequest, Ran, Tally
 from fulcrum.collate import Collator
 from fulcrum.config import ModelConfig
 from fulcrum.errors import DeadlineExceeded, FulcrumError, ModelError, Shed, Unavailable
@@ -34,67 +34,6 @@ __all__ = ["BatchRecord", "DynamicBatcher", "InferResult"]
 _logger = logging.getLogger(__name__)
 
 Dispatch = Callable[[TensorMap], Awaitable[TensorMap]]
-
-
-@dataclass(frozen=True, slots=True)
-class InferResult:
-    """One request's outputs (its own rows) and where its time went."""
-
-    outputs: TensorMap
-    queue_s: float  # submit -> dispatch of the batch that answered it
-    compute_s: float  # the dispatch call of that batch
-    batch_size: int  # rows in that batch
-
-
-class _Request(Pending):
-    """A queued request: the policy's view plus the payload and the caller's future."""
-
-    __slots__ = ("future", "inputs", "submit_perf_s")
-
-    def __init__(
-        self,
-        num_rows: int,
-        key: Hashable,
-        enqueue_s: float,
-        inputs: TensorMap,
-        future: asyncio.Future[InferResult],
-    ) -> None:
-        super().__init__(num_rows, key, enqueue_s)
-        self.inputs = inputs
-        self.future = future
-        self.submit_perf_s = time.perf_counter()
-
-
-@dataclass(slots=True)
-class _Tally:
-    """One batch's running account; becomes its BatchRecord."""
-
-    num_rows: int
-    num_requests: int
-    queue_s: list[float]
-    compute_s: float = 0.0
-    failed: bool = False
-    num_retried_dispatches: int = 0
-    num_isolated_failures: int = 0
-    retry_compute_s: float = 0.0
-    retried_batches: list[tuple[int, float]] = field(default_factory=list)
-    holds_slot: bool = True
-
-    def record(self) -> BatchRecord:
-        return BatchRecord(
-            self.num_rows, self.num_requests, self.compute_s, self.queue_s, self.failed,
-            self.num_retried_dispatches, self.num_isolated_failures, self.retry_compute_s,
-            tuple(self.retried_batches),
-        )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class _Ran:
-    """One dispatch's outputs and when it started (perf_counter seconds) and how long it took."""
-
-    outputs: TensorMap
-    start_s: float
-    compute_s: float
 
 
 class DynamicBatcher:
@@ -162,9 +101,15 @@ class DynamicBatcher:
             self._loop_task.add_done_callback(self._on_loop_done)
 
     async def submit(
-        self, inputs: TensorMap, *, priority: int | None = None, timeout_s: float | None = None
+        self,
+        inputs: TensorMap,
+        *,
+        priority: int | None = None,
+        timeout_s: float | None = None,
+        age_s: float = 0.0,
     ) -> InferResult:
-        """Queue one request (axis 0 is its rows) and wait for its own rows of the outputs."""
+        """Queue one request (axis 0 is its rows) and wait for its own rows of the outputs;
+        `age_s` is how long ago it reached the server: its SLO deadline counts from then."""
         if self._stopping or self._loop_task is None:
             stopped = self._stopping and not self._failed
             state = "is shutting down" if stopped else "has no running batcher"
@@ -172,7 +117,8 @@ class DynamicBatcher:
         num_rows = self._collator.count_rows(inputs) if self._batched else 1
         key = compat_key(inputs, self._collator.dynamic_axes) if self._batched else None
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        request = _Request(num_rows, key, self._clock.now(), inputs, future)
+        now = self._clock.now()
+        request = QueuedRequest(num_rows, key, now, inputs, future, origin_s=now - max(0.0, age_s))
         self._queue.admit(request, priority=priority, timeout_s=timeout_s)
         if self._listening or request.deadline_s is not None:
             self._wakeup.set()
@@ -230,7 +176,7 @@ class DynamicBatcher:
                 self._reject(plan.reject, now)
                 self._shed(plan)
                 if plan.run:
-                    self._launch(cast("Sequence[_Request]", plan.run))
+                    self._launch(cast("Sequence[QueuedRequest]", plan.run))
                     continue
                 wake_at_s, self._listening = plan.wake_at_s, True
             else:
@@ -254,7 +200,7 @@ class DynamicBatcher:
         except TimeoutError:
             pass
 
-    def _launch(self, requests: Sequence[_Request]) -> None:
+    def _launch(self, requests: Sequence[QueuedRequest]) -> None:
         # A caller cancelled after planning but before now: drop it before it runs.
         live = [r for r in requests if not r.future.done()]
         if not live:
@@ -265,9 +211,9 @@ class DynamicBatcher:
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
 
-    async def _run_batch(self, requests: list[_Request]) -> None:
+    async def _run_batch(self, requests: list[QueuedRequest]) -> None:
         now_s = time.perf_counter()
-        tally = _Tally(
+        tally = Tally(
             sum(r.num_rows for r in requests),
             len(requests),
             [now_s - r.submit_perf_s for r in requests],
@@ -297,7 +243,7 @@ class DynamicBatcher:
             self._check_drained()
             self._record(tally.record())
 
-    async def _execute(self, group: list[_Request], tally: _Tally, *, retry: bool) -> _Ran:
+    async def _execute(self, group: list[QueuedRequest], tally: Tally, *, retry: bool) -> Ran:
         """Stack `group` into one batch and dispatch it; account for the time it took."""
         batch = self._collator.stack([r.inputs for r in group])
         start_s = time.perf_counter()
@@ -311,9 +257,9 @@ class DynamicBatcher:
             else:
                 tally.compute_s = compute_s
                 tally.queue_s = [start_s - r.submit_perf_s for r in group]
-        return _Ran(outputs, start_s, compute_s)
+        return Ran(outputs, start_s, compute_s)
 
-    async def _recover(self, requests: list[_Request], error: Exception, tally: _Tally) -> None:
+    async def _recover(self, requests: list[QueuedRequest], error: Exception, tally: Tally) -> None:
         """A batch failed: re-run its requests apart, on its own slot, or fail them all."""
         if len(requests) > 1 and self._isolate_failures and may_rerun(error):
             await isolate(
@@ -327,22 +273,22 @@ class DynamicBatcher:
         else:
             _fail(requests, _model_error(error))
 
-    async def _rerun(self, group: list[_Request], tally: _Tally) -> None:
+    async def _rerun(self, group: list[QueuedRequest], tally: Tally) -> None:
         ran = await self._execute(group, tally, retry=True)
         self._resolve(group, ran)
         tally.retried_batches.append((sum(r.num_rows for r in group), ran.compute_s))
 
-    def _fail_isolated(self, group: list[_Request], error: Exception, tally: _Tally) -> None:
+    def _fail_isolated(self, group: list[QueuedRequest], error: Exception, tally: Tally) -> None:
         tally.num_isolated_failures += len(group)
         _fail(group, _model_error(error))
 
-    def _free_slot(self, tally: _Tally) -> None:
+    def _free_slot(self, tally: Tally) -> None:
         if tally.holds_slot:
             tally.holds_slot = False
             self._num_batches -= 1
             self._wakeup.set()
 
-    def _resolve(self, requests: list[_Request], ran: _Ran) -> None:
+    def _resolve(self, requests: list[QueuedRequest], ran: Ran) -> None:
         row_counts = [r.num_rows for r in requests]
         num_rows = sum(row_counts)
         parts = self._collator.split(ran.outputs, row_counts)
@@ -353,7 +299,7 @@ class DynamicBatcher:
 
     def _reject(self, items: Sequence[Pending], now: float) -> None:
         for item in items:
-            request = cast(_Request, item)
+            request = cast(QueuedRequest, item)
             if not request.future.done():
                 waited_s = now - request.enqueue_s
                 request.future.set_exception(
@@ -364,10 +310,10 @@ class DynamicBatcher:
         if plan.shed:
             drain_s = plan.retry_after_s
             why = f"it cannot finish within its deadline (queue drains in {drain_s:.3f} s)"
-            _fail(cast("list[_Request]", plan.shed), Shed(why, retry_after_s=drain_s))
+            _fail(cast("list[QueuedRequest]", plan.shed), Shed(why, retry_after_s=drain_s))
 
     def _fail_queued(self, error: FulcrumError) -> None:
-        _fail(cast("list[_Request]", self._queue.drain()), error)
+        _fail(cast("list[QueuedRequest]", self._queue.drain()), error)
 
     def _check_drained(self) -> None:
         if self._stopping and not self._queue and not self._num_in_flight:
@@ -382,7 +328,7 @@ class DynamicBatcher:
             _logger.exception("batcher %s: observe or on_batch failed", self._config.name)
 
 
-def _fail(requests: Sequence[_Request], error: FulcrumError) -> None:
+def _fail(requests: Sequence[QueuedRequest], error: FulcrumError) -> None:
     for request in requests:
         if not request.future.done():
             request.future.set_exception(error)

@@ -33,6 +33,8 @@ class RequestContext:
     lane: str | None = None
     ab_key: str | None = None
     variant: str | None = None  # None: the model's default variant
+    received_s: float | None = None  # time.monotonic() when it reached the server; SLOs count
+    # from here, so time spent reading and decoding the body is not hidden from the batch policy
 
     def remaining_s(self, now_s: float) -> float | None:
         """Seconds left before the deadline (None: no deadline); 504 once it has passed."""
@@ -42,6 +44,10 @@ class RequestContext:
         if left_s <= 0:
             raise DeadlineExceeded(f"request {self.request_id} passed its deadline before it ran")
         return left_s
+
+    def age_s(self, now_s: float) -> float:
+        """Seconds since the request reached the server (0 for internal calls)."""
+        return 0.0 if self.received_s is None else max(0.0, now_s - self.received_s)
 
     def timeout_s(self, own_timeout_s: float | None, now_s: float) -> float | None:
         """The tighter of the context's deadline and a protocol-level timeout (v2 `timeout`)."""
@@ -63,6 +69,7 @@ def context_from_headers(headers: Mapping[str, str], *, api: str, now_s: float) 
         lane=_label(headers, LANE_HEADER),
         ab_key=_label(headers, AB_KEY_HEADER),
         variant=_label(headers, VARIANT_HEADER),
+        received_s=now_s,
     )
 
 

@@ -38,19 +38,25 @@ class Pending:
         "key",
         "level",
         "num_rows",
+        "origin_s",
         "seq",
         "state",
         "timeout_action",
     )
 
-    def __init__(self, num_rows: int, key: Hashable, enqueue_s: float) -> None:
+    def __init__(
+        self, num_rows: int, key: Hashable, enqueue_s: float, origin_s: float | None = None
+    ) -> None:
         self.num_rows = num_rows
         self.key = key  # items with different keys never share a batch
         self.enqueue_s = enqueue_s  # clock seconds
+        # When the request reached the server (clock seconds): its SLO counts from there, so
+        # the time its body took to arrive and decode is not hidden from the policy.
+        self.origin_s = enqueue_s if origin_s is None else min(origin_s, enqueue_s)
         self.seq = -1  # set by admit: arrival order
         self.level = 0  # set by admit: 1 is the highest priority
         self.deadline_s: float | None = None  # queue timeout (504), absolute; None: none
-        self.due_s = math.inf  # SLO deadline: enqueue + SLO, or the timeout when sooner
+        self.due_s = math.inf  # SLO deadline: origin + SLO - reserve, or the timeout if sooner
         self.timeout_action = "reject"  # or "delay"
         self.state = QUEUED
         self.cancelled = False
@@ -73,6 +79,8 @@ class PendingQueue:
         self.num_levels = config.num_priority_levels
         self.default_level = config.default_priority
         self.edf = batching is not None and batching.policy == "adaptive"
+        # Time from arrival to the end of a request's batch; the policy lowers it by the
+        # measured time a request spends outside the queue and the batch (`OverheadReserve`).
         self.slo_s = batching.slo_p99_ms / 1000 if batching else 0.0
         self._policies: list[QueuePolicy] = [
             config.queue_policy(level) for level in range(1, self.num_levels + 1)
@@ -141,7 +149,7 @@ class PendingQueue:
         item.timeout_action = self._policies[level - 1].timeout_action
         item.seq = seq = next(self._seq)
         if self.slo_s > 0:
-            item.due_s = item.enqueue_s + self.slo_s
+            item.due_s = item.origin_s + self.slo_s
         if timeout is not None:
             item.deadline_s = deadline_s = item.enqueue_s + timeout
             item.due_s = min(item.due_s, deadline_s)

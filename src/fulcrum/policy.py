@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fulcrum.config import ModelConfig
+from fulcrum.latency_model import LatencyModel
 from fulcrum.pending import DELAYED, DONE, QUEUED, Pending, PendingQueue, default_queue_bound
+from fulcrum.queue_bound import DerivedBound
 from fulcrum.types import TensorMap
 
 __all__ = [
@@ -94,6 +96,9 @@ class BatchPolicy(Protocol):
     def observe(self, record: BatchRecord) -> None:
         """What a batch really cost, after it ran (failed ones too); called once per batch."""
 
+    def observe_overhead(self, seconds: float) -> None:
+        """One answered request's time in the server outside the queue and its batch."""
+
     def state(self) -> dict[str, object]:
         """The policy's current state for the statistics API and metrics (JSON-ready)."""
 
@@ -128,16 +133,37 @@ class TritonPolicy:
         self.max_queue_delay_s = batching.max_queue_delay_ms / 1000 if batching else 0.0
         self.preferred = frozenset(batching.preferred_batch_sizes if batching else ())
         self.max_preferred = max(self.preferred, default=self.max_batch_size)
+        # Triton's batching rules are static; only the queue bound a config leaves out is
+        # learned, from the measured batch time, so overload is refused instead of queued.
+        self.model = LatencyModel()
+        slo_s = batching.slo_p99_ms / 1000 if batching else 0.0
+        self.derived = DerivedBound(config.instances.count, slo_s)
+        self._limit = self.max_batch_size if self.batched else 1
 
     def observe(self, record: BatchRecord) -> None:
-        """Triton's rules are static: nothing to learn."""
+        if record.failed:  # a failure's time says nothing about the model's speed
+            return
+        self.model.observe(record.batch_size, record.compute_s)
+        self.derived.observe(record)
+        self.derived.refresh(self.model, self._limit)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Static rules plan no deadlines: the time outside the batch changes nothing."""
 
     def state(self) -> dict[str, object]:
-        return {"name": "triton", "batch_limit": self.max_batch_size}
+        fit = self.model.fit()
+        return {
+            "name": "triton",
+            "batch_limit": self.max_batch_size,
+            "batch_fixed_ms": fit.a_s * 1000,
+            "batch_row_ms": fit.c_s * 1000,
+            "queue_bound": self.derived.bound,
+        }
 
     def plan(self, queue: PendingQueue, now: float) -> Plan:
         """Reject expired items, then run a batch now or say when to look again."""
         rejected = tuple(queue.expire(now))
+        self.derived.apply(queue)
         if not queue:
             return Plan(reject=rejected)
         if not self.batched:

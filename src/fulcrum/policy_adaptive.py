@@ -13,17 +13,12 @@ bounds the queue (when the config does not) at what the instances drain within t
 from __future__ import annotations
 
 import heapq
-import math
 
 from fulcrum.config import ModelConfig
 from fulcrum.latency_model import LatencyModel
 from fulcrum.pending import DELAYED, Pending, PendingQueue
 from fulcrum.policy import BatchRecord, Plan
-
-MEAN_ROWS_WEIGHT = 0.05  # EWMA weight of one batch in the mean rows per request
-# Share of the SLO's waiting time the derived queue bound fills: the model times the backend
-# only, not the event loop's work between batches, so a queue it fills exactly drains late.
-QUEUE_HEADROOM = 0.8
+from fulcrum.queue_bound import DerivedBound, OverheadReserve
 
 
 class AdaptivePolicy:
@@ -40,21 +35,24 @@ class AdaptivePolicy:
         self.max_queue_delay_s = batching.max_queue_delay_ms / 1000
         self.model = LatencyModel()
         self.batch_limit = self.max_batch_size  # rows one batch may hold now
-        self.queue_bound = 0  # derived bound (0: not measured yet, the queue's default holds)
-        self.full_retry_after_s = 1.0  # drain time of a full queue
+        self.derived = DerivedBound(self.num_instances, self.slo_s)
+        self.overhead = OverheadReserve(self.slo_s)
         self.num_shed = 0
         self.last_predicted_s = self.last_observed_s = 0.0
-        self._mean_rows = 1.0
         self._busy_until: list[float] = []  # predicted ends of running batches (min-heap)
-        self._bound_changed = False
+
+    @property
+    def queue_bound(self) -> int:
+        """The derived queue bound (0: not measured yet, the queue's default holds)."""
+        return self.derived.bound
 
     def plan(self, queue: PendingQueue, now: float) -> Plan:
         """Time out, shed the hopeless, then run the largest on-time batch or say when to look."""
         rejected = tuple(queue.expire(now))
-        if self._bound_changed:
-            self._bound_changed = False
-            queue.set_derived_bound(self.queue_bound)
-            queue.retry_after_s = self.full_retry_after_s
+        self.derived.apply(queue)
+        # Newly admitted requests are due early enough for the time they will still spend
+        # outside the batch (waking the caller, encoding) to fit within the SLO.
+        queue.slo_s = self.slo_s - self.overhead.reserve_s
         shed = self._shed_hopeless(queue, now)
         retry_after_s = self.drain_s(queue.num_rows, now) if shed else 0.0
         head = next(queue.live(), None)
@@ -98,9 +96,12 @@ class AdaptivePolicy:
         self.model.observe(record.batch_size, record.compute_s)
         for num_rows, compute_s in record.retried_batches:
             self.model.observe(num_rows, compute_s)
-        rows_per_request = record.batch_size / max(1, record.num_requests)
-        self._mean_rows += MEAN_ROWS_WEIGHT * (rows_per_request - self._mean_rows)
+        self.derived.observe(record)
         self._refresh()
+
+    def observe_overhead(self, seconds: float) -> None:
+        """One answered request's time in the server outside the queue and its batch."""
+        self.overhead.add(seconds)
 
     def drain_s(self, num_rows: int, now: float) -> float:
         """Predicted seconds until `num_rows` queued rows and the running batches are done."""
@@ -123,6 +124,7 @@ class AdaptivePolicy:
             "predicted_batch_ms": self.last_predicted_s * 1000,
             "observed_batch_ms": self.last_observed_s * 1000,
             "queue_bound": self.queue_bound,
+            "overhead_reserve_ms": self.overhead.reserve_s * 1000,
             "shed_deadline": self.num_shed,
         }
 
@@ -164,18 +166,6 @@ class AdaptivePolicy:
         return items, num_rows, True
 
     def _refresh(self) -> None:
-        model = self.model
-        rows = model.max_rows(self.batch_budget_s)
+        rows = self.model.max_rows(self.batch_budget_s)
         self.batch_limit = min(self.max_batch_size, max(1, rows))
-        if not model.trusted:
-            return
-        limit_s = model.predict(self.batch_limit)
-        capacity_rows_s = self.num_instances * self.batch_limit / limit_s
-        # Admitted requests must drain, then run in their own batch, within the SLO.
-        wait_s = max(self.slo_s - limit_s, limit_s) * QUEUE_HEADROOM
-        floor = self.num_instances * self.batch_limit
-        bound = max(floor, math.floor(capacity_rows_s * wait_s / self._mean_rows))
-        self.full_retry_after_s = bound * self._mean_rows / capacity_rows_s
-        if bound != self.queue_bound:
-            self.queue_bound = bound
-            self._bound_changed = True
+        self.derived.refresh(self.model, self.batch_limit, self.overhead.reserve_s)

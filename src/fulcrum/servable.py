@@ -86,13 +86,21 @@ class BatchServable:
         return self._num_admitted
 
     async def infer(
-        self, inputs: TensorMap, *, priority: int | None, timeout_s: float | None
+        self,
+        inputs: TensorMap,
+        *,
+        priority: int | None,
+        timeout_s: float | None,
+        age_s: float = 0.0,
     ) -> InferResult:
-        """Submit one request; record its outcome in statistics and metrics."""
+        """Submit one request (`age_s`: seconds since it reached the server); record its
+        outcome in statistics and metrics."""
         start = time.perf_counter()
         self._num_admitted += 1
         try:
-            result = await self.batcher.submit(inputs, priority=priority, timeout_s=timeout_s)
+            result = await self.batcher.submit(
+                inputs, priority=priority, timeout_s=timeout_s, age_s=age_s
+            )
         except FulcrumError as exc:
             self.stats.record_failure(time.perf_counter() - start)
             self.metrics.outcomes[outcome_of(exc.status_code, type(exc).__name__)].inc()
@@ -103,6 +111,10 @@ class BatchServable:
         finally:
             self._num_admitted -= 1
         total_s = time.perf_counter() - start
+        # What the request spent here besides queueing and running: mostly after its batch
+        # ended, until this coroutine ran again (a busy event loop). The time before it was
+        # queued is not in it: its deadline already counts from arrival (`age_s`).
+        self.batcher.policy.observe_overhead(total_s - result.queue_s - result.compute_s)
         num_rows = _num_rows(inputs) if self.config.max_batch_size > 0 else 1
         self.stats.record_success(num_rows, total_s, result.queue_s, result.compute_s)
         m = self.metrics

@@ -210,7 +210,8 @@ class Service:
     ) -> InferResult:
         inputs = validate_inputs(servable.config, inputs)
         own_timeout_s = request.timeout_s if request is not None else None
-        timeout_s = ctx.timeout_s(own_timeout_s, time.monotonic())
+        now_s = time.monotonic()
+        timeout_s = ctx.timeout_s(own_timeout_s, now_s)
         if self.cache is not None:
             hit = await self.cache.get(ctx, route, servable.version, inputs)
             if hit is not None:
@@ -220,6 +221,7 @@ class Service:
             inputs,
             priority=ctx.priority if priority is None else priority,
             timeout_s=timeout_s,
+            age_s=ctx.age_s(now_s),
         )
         if self.cache is not None:
             await self.cache.put(ctx, route, servable.version, inputs, result)

@@ -64,10 +64,14 @@ def test_edf_queue_serves_each_level_by_deadline() -> None:
     assert list(queue.live()) == [items[3], items[0]] and queue.num_rows == 2
 
 
-def test_triton_policy_learns_nothing_and_says_so() -> None:
+def test_triton_policy_learns_only_the_queue_bound() -> None:
     queue, policy = PendingQueue(make_config(4)), TritonPolicy(make_config(4))
-    policy.observe(BatchRecord(4, 4, 9.0, [], False))
-    assert policy.state() == {"name": "triton", "batch_limit": 4}
+    for _ in range(5):  # 4 rows in 0.5 s: 8 rows/s, one row per request
+        policy.observe(BatchRecord(4, 4, 0.5, [], False))
+    state = policy.state()
+    assert state["name"] == "triton" and state["batch_limit"] == 4
+    assert state["queue_bound"] == 8  # what one instance drains in DEFAULT_WAIT_S (1 s)
     fill(queue, 6)
-    plan = policy.plan(queue, 0.0)
+    plan = policy.plan(queue, 0.0)  # the batching rules themselves are unchanged
     assert len(plan.run) == 4 and plan.shed == () and len(queue) == 2
+    assert queue.bound(1) == 8

@@ -1,0 +1,76 @@
+"""What the batcher passes around: a queued request (the policy's view plus its payload and
+future), one batch's running account, one dispatch's outputs, and the result a caller gets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from fulcrum.pending import Pending
+from fulcrum.policy import BatchRecord
+from fulcrum.types import TensorMap
+
+
+@dataclass(frozen=True, slots=True)
+class InferResult:
+    """One request's outputs (its own rows) and where its time went."""
+
+    outputs: TensorMap
+    queue_s: float  # submit -> dispatch of the batch that answered it
+    compute_s: float  # the dispatch call of that batch
+    batch_size: int  # rows in that batch
+
+
+class QueuedRequest(Pending):
+    """A queued request: the policy's view plus the payload and the caller's future."""
+
+    __slots__ = ("future", "inputs", "submit_perf_s")
+
+    def __init__(
+        self,
+        num_rows: int,
+        key: Hashable,
+        enqueue_s: float,
+        inputs: TensorMap,
+        future: asyncio.Future[InferResult],
+        *,
+        origin_s: float | None = None,
+    ) -> None:
+        super().__init__(num_rows, key, enqueue_s, origin_s)
+        self.inputs = inputs
+        self.future = future
+        self.submit_perf_s = time.perf_counter()
+
+
+@dataclass(slots=True)
+class Tally:
+    """One batch's running account; becomes its BatchRecord."""
+
+    num_rows: int
+    num_requests: int
+    queue_s: list[float]
+    compute_s: float = 0.0
+    failed: bool = False
+    num_retried_dispatches: int = 0
+    num_isolated_failures: int = 0
+    retry_compute_s: float = 0.0
+    retried_batches: list[tuple[int, float]] = field(default_factory=list)
+    holds_slot: bool = True
+
+    def record(self) -> BatchRecord:
+        return BatchRecord(
+            self.num_rows, self.num_requests, self.compute_s, self.queue_s, self.failed,
+            self.num_retried_dispatches, self.num_isolated_failures, self.retry_compute_s,
+            tuple(self.retried_batches),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """One dispatch's outputs and when it started (perf_counter seconds) and how long it took."""
+
+    outputs: TensorMap
+    start_s: float
+    compute_s: float
