@@ -20,7 +20,7 @@ import numpy as np
 from fulcrum.client import Endpoint
 from fulcrum.loadgen import server_stats
 from fulcrum.loadgen.driver import PerfTimer, PointHooks, Target, WindowLoop
-from fulcrum.loadgen.open_loop import _Dispatcher  # the loadgen's open-loop sender, fed a trace
+from fulcrum.loadgen.open_loop import Dispatcher, OffsetSchedule
 from fulcrum.loadgen.records import STATUS_TIMEOUT, RequestRecord
 from fulcrum.loadgen.stats import Slo, percentile_ms
 from fulcrum.loadgen.windows import Measurement, MeasurePlan
@@ -81,17 +81,6 @@ def arrival_times(steps: Sequence[Step], capacity_rps: float, seed: int) -> list
     return times
 
 
-class _Replay:
-    """A schedule (what `_Dispatcher` reads) over precomputed offsets from `start_s`."""
-
-    def __init__(self, offsets: Sequence[float], start_s: float, end_s: float) -> None:
-        self._due = [start_s + t for t in reversed(offsets)]
-        self._after_end_s = start_s + end_s + 3600.0  # never reached: the sender is cancelled
-
-    def next_s(self) -> float:
-        return self._due.pop() if self._due else self._after_end_s
-
-
 @dataclass
 class Replayed:
     """What one replay produced: records, and the server's statistics at each step boundary."""
@@ -117,8 +106,8 @@ async def replay(
     start_s = timer.now() + 0.05
     plan = MeasurePlan(warmup_s=0.0, window_s=end_s, max_duration_s=end_s)
     loop = WindowLoop(timer, Measurement(plan, start_s), PointHooks())  # holds `.completed`
-    dispatcher = _Dispatcher(target, timer, loop, max_in_flight)
-    sender = asyncio.create_task(dispatcher.run(_Replay(offsets, start_s, end_s), timeout_s))
+    dispatcher = Dispatcher(target, timer, loop, max_in_flight)
+    sender = asyncio.create_task(dispatcher.run(OffsetSchedule(offsets, start_s), timeout_s))
     snapshots: list[server_stats.StatsSnapshot | None] = []
     endpoint = Endpoint.from_url(url)
     try:

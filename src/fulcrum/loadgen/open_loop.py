@@ -7,6 +7,7 @@ Each request's latency runs from its scheduled send time. When the generator can
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from fulcrum.loadgen.arrivals import ArrivalKind, Schedule
 from fulcrum.loadgen.driver import (
@@ -21,11 +22,27 @@ from fulcrum.loadgen.driver import (
 from fulcrum.loadgen.records import RequestRecord
 from fulcrum.loadgen.windows import Measurement, MeasurePlan
 
+NEVER_S = 1e12  # a finite "never": timers sleep until it without overflowing
+
+
+class OffsetSchedule:
+    """A schedule over precomputed send times: `offsets` seconds after `start_s`, in order (a
+    trace replayed the same for every configuration compared)."""
+
+    def __init__(self, offsets: Sequence[float], start_s: float) -> None:
+        self._due = [start_s + t for t in reversed(offsets)]
+
+    def next_s(self) -> float:
+        # After the last send: a time never reached (the sender is cancelled long before).
+        return self._due.pop() if self._due else NEVER_S
+
+
 LATE_S = 0.01  # a send this far behind its schedule counts as the generator falling behind
 
 
-class _Dispatcher:
-    """Sends each scheduled request on an idle slot; opens slots up to `max_in_flight`."""
+class Dispatcher:
+    """Sends each scheduled request on an idle slot; opens slots up to `max_in_flight`. Public:
+    benchmarks feed it their own schedules (a replayed trace, `OffsetSchedule`)."""
 
     def __init__(self, target: Target, timer: Timer, loop: WindowLoop, max_in_flight: int):
         self.target = target
@@ -41,7 +58,7 @@ class _Dispatcher:
         self.num_behind = 0
         self.max_lag_s = 0.0
 
-    async def run(self, schedule: Schedule, timeout_s: float) -> None:
+    async def run(self, schedule: Schedule | OffsetSchedule, timeout_s: float) -> None:
         while not self.stopping:
             due_s = schedule.next_s()
             if due_s > self.timer.now():
@@ -100,7 +117,7 @@ async def run_open_loop(
     schedule = Schedule(arrivals, rate_per_s, start_s, seed=seed, burstiness=burstiness)
     measurement = Measurement(plan, start_s)
     loop = WindowLoop(timer, measurement, hooks or PointHooks())
-    dispatcher = _Dispatcher(target, timer, loop, max_in_flight)
+    dispatcher = Dispatcher(target, timer, loop, max_in_flight)
     sender = asyncio.create_task(dispatcher.run(schedule, timeout_s))
     try:
         await loop.run()

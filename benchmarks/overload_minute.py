@@ -1,0 +1,232 @@
+"""Three times capacity for a minute: issue 11's acceptance run for overload.
+
+    .venv/bin/python benchmarks/overload_minute.py [--factor 3] [--seconds 60] [--slo-ms 100]
+        [--configs shipped,adaptive] [--out /tmp/overload]
+
+One `fulcrum serve --model minilm` process. Capacity is measured open loop, as the overload is
+sent: Poisson steps from 0.2x to 1.4x the closed-loop rate (32 clients), and capacity is the
+highest rate whose step answered at least 99% of its requests, all within 1 s. Then, per config
+(the shipped one, and `policy = "adaptive"` with the SLO, each loaded by a reload override and
+warmed 5 s at 30%): `--factor` x capacity, Poisson, for `--seconds`, while a prober process
+GETs /v2/health/live and /ready 20 times a second on its own connection, and the server's RSS is
+sampled. Printed per config, in the issue's terms: goodput (answers within the SLO per second)
+as a share of capacity, the admitted P99, how many got 503 and how fast, client timeouts and
+other errors (nothing may be lost: offered = answered + 503 + the rest), health P99, and RSS
+before, at the peak and 10 s after the load stopped. Figures also go to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+from adaptive_vs_static import (
+    adaptive_override,
+    build_repository,
+    capacity_rps,
+    run_async,
+    v2_requests,
+)
+from health_under_flood import probed, serving, summary
+from load_trace import Step, arrival_times, reload, replay, settle
+
+from fulcrum.client import Endpoint
+from fulcrum.loadgen.kserve import V2Target
+from fulcrum.loadgen.records import STATUS_TIMEOUT, RequestRecord
+
+MODEL = "minilm"
+PROBE_HZ = 20.0
+CAPACITY_LOADS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4)
+CAPACITY_STEP_S = 4.0
+SUSTAINED_S = 1.0  # a capacity step must answer within this
+
+
+@dataclass
+class Outcome:
+    """One config under the overload."""
+
+    config: str
+    offered: int
+    answered: int
+    good: int
+    shed: int
+    timed_out: int
+    other: int
+    goodput_share: float  # good per second / capacity
+    admitted_p99_ms: float
+    shed_p99_ms: float
+    health_p99_ms: float
+    health_bad: int
+    rss_before_mb: float
+    rss_peak_mb: float
+    rss_after_mb: float
+
+
+def p99_ms(records: list[RequestRecord]) -> float:
+    if not records:
+        return float("nan")
+    values = sorted(r.latency_s * 1e3 for r in records)
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def server_process(port: int) -> psutil.Process:
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "serve" in cmdline and str(port) in cmdline:
+            return proc
+    raise RuntimeError(f"no server process listening on port {port}")
+
+
+class RssSampler:
+    """The server's resident memory, sampled every 0.25 s on a thread; the peak seen."""
+
+    def __init__(self, proc: psutil.Process) -> None:
+        self.proc = proc
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def now_mb(self) -> float:
+        return float(self.proc.memory_info().rss) / 2**20
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            self.peak_mb = max(self.peak_mb, self.now_mb())
+
+
+def play(url: str, target: V2Target, steps: list[Step], rate: float, seed: int,
+         timeout_s: float) -> list[RequestRecord]:  # fmt: skip
+    offsets = arrival_times(steps, rate, seed)
+    run = run_async(replay(target, steps, offsets, url=url, model=MODEL, timeout_s=timeout_s))
+    run_async(settle(url, MODEL))
+    return run.records
+
+
+def open_loop_capacity(url: str, target: V2Target, closed_rps: float) -> float:
+    """The highest offered rate (req/s) the shipped config sustains open loop."""
+    best = 0.0
+    for load in CAPACITY_LOADS:
+        steps = [Step(0.0, CAPACITY_STEP_S, load)]
+        records = play(url, target, steps, closed_rps, seed=7, timeout_s=10.0)
+        on_time = sum(1 for r in records if r.outcome.ok and r.latency_s <= SUSTAINED_S)
+        share = on_time / max(1, len(records))
+        print(f"  {load * closed_rps:7.1f} req/s offered: {share:.1%} answered within "
+              f"{SUSTAINED_S:g} s", flush=True)  # fmt: skip
+        if share < 0.99:
+            break
+        best = load * closed_rps
+    return best
+
+
+def overload(url: str, port: int, target: V2Target, name: str, override: dict[str, object] | None,
+             capacity: float, args: argparse.Namespace) -> Outcome:  # fmt: skip
+    reload(url, MODEL, override)
+    play(url, target, [Step(0.0, 5.0, 0.3)], capacity, seed=99, timeout_s=10.0)
+    proc = server_process(port)
+    sampler = RssSampler(proc)
+    before = sampler.now_mb()
+    prober, pipe = probed(port, PROBE_HZ, args.seconds)
+    with sampler:
+        steps = [Step(0.0, args.seconds, args.factor)]
+        records = play(url, target, steps, capacity, seed=args.seed, timeout_s=args.timeout_s)
+    latencies, health_bad = pipe.recv()
+    prober.join()
+    time.sleep(10.0)
+    after = sampler.now_mb()
+    answered = [r for r in records if r.outcome.ok]
+    shed = [r for r in records if r.outcome.status == 503]
+    good = [r for r in answered if r.latency_s * 1e3 <= args.slo_ms]
+    timed_out = sum(1 for r in records if r.outcome.status == STATUS_TIMEOUT)
+    return Outcome(
+        config=name, offered=len(records), answered=len(answered), good=len(good),
+        shed=len(shed), timed_out=timed_out,
+        other=len(records) - len(answered) - len(shed) - timed_out,
+        goodput_share=len(good) / args.seconds / capacity,
+        admitted_p99_ms=p99_ms(answered), shed_p99_ms=p99_ms(shed),
+        health_p99_ms=summary(latencies)["p99"], health_bad=health_bad,
+        rss_before_mb=before, rss_peak_mb=max(sampler.peak_mb, before), rss_after_mb=after,
+    )  # fmt: skip
+
+
+def run(repo: Path, args: argparse.Namespace) -> dict[str, object]:
+    with serving(repo, args.src.resolve(), args.out / "server.log") as (url, port):
+        target = V2Target(Endpoint.from_url(url), v2_requests(url, 256, args.words))
+        play(url, target, [Step(0.0, 3.0, 1.0)], 20.0, seed=1, timeout_s=10.0)  # warm
+        closed = max(capacity_rps(url, target, 5.0) for _ in range(2))
+        print(f"closed-loop capacity (32 clients): {closed:.1f} req/s; open loop:", flush=True)
+        capacity = open_loop_capacity(url, target, closed)
+        if capacity <= 0:
+            raise SystemExit("not even 0.2x the closed-loop rate was sustained: machine too busy")
+        print(f"open-loop capacity {capacity:.1f} req/s; overload {args.factor:g}x = "
+              f"{capacity * args.factor:.0f} req/s for {args.seconds:g} s", flush=True)  # fmt: skip
+        configs: dict[str, dict[str, object] | None] = {
+            "shipped": None,
+            "adaptive": adaptive_override(args.slo_ms, None),
+        }
+        outcomes = []
+        for name in args.configs.split(","):
+            print(f"{name} ...", flush=True)
+            outcomes.append(overload(url, port, target, name, configs[name], capacity, args))
+            print("  " + json.dumps(asdict(outcomes[-1])), flush=True)
+    return {"closed_rps": closed, "capacity_rps": capacity, "outcomes": outcomes}
+
+
+def report(found: dict[str, object], args: argparse.Namespace) -> None:
+    print(f"\n{args.factor:g}x open-loop capacity ({found['capacity_rps']:.1f} req/s) for "
+          f"{args.seconds:g} s, SLO {args.slo_ms:g} ms")  # fmt: skip
+    print(
+        "| config | goodput / capacity | admitted P99 ms | 503s | 503 P99 ms | timeouts | "
+        "other | health P99 ms | RSS MB before / peak / after |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for o in found["outcomes"]:  # type: ignore[attr-defined]
+        print(f"| {o.config} | {o.goodput_share:.2f} | {o.admitted_p99_ms:.0f} | {o.shed} | "
+              f"{o.shed_p99_ms:.1f} | {o.timed_out} | {o.other} | {o.health_p99_ms:.1f} | "
+              f"{o.rss_before_mb:.0f} / {o.rss_peak_mb:.0f} / {o.rss_after_mb:.0f} |")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--factor", type=float, default=3.0)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--slo-ms", type=float, default=100.0)
+    parser.add_argument("--configs", default="shipped,adaptive")
+    parser.add_argument("--words", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--repository", type=Path, default=None)
+    parser.add_argument("--src", type=Path, default=Path(__file__).parent.parent / "src")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/overload_minute"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        found = run(args.repository or build_repository(Path(tmp)), args)
+    report(found, args)
+    outcomes = [asdict(o) for o in found["outcomes"]]  # type: ignore[attr-defined]
+    (args.out / "overload.json").write_text(json.dumps({**found, "outcomes": outcomes}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
