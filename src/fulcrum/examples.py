@@ -60,6 +60,10 @@ type_ids = "token_type_ids"
 # No added wait: while the model runs a batch, new requests queue and form the next one, so
 # batches grow with load by themselves; a lone request at light load runs at once.
 max_queue_delay_ms = 0
+# The latency objective. With Triton's rules (this file) it bounds the queue: past what the
+# model drains within it, requests get a fast 503 with Retry-After, not a late answer.
+# policy = "adaptive" also shapes every batch around each request's deadline.
+slo_p99_ms = 100
 
 [instances]
 count = 1
