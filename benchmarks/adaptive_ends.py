@@ -153,7 +153,8 @@ def search(server: Server, start_rate: float, seconds: float, slo: Slo) -> float
 
 
 def run_ends(repo: Path, args: argparse.Namespace) -> int:
-    from adaptive_vs_static import capacity_rps
+    from adaptive_vs_static import capacity_rps, run_async
+    from load_trace import open_loop_capacity
 
     slo = Slo(bound_ms=args.slo_ms, percentile=99.0)
     light = [float(r) for r in args.light_rates.split(",")]
@@ -161,8 +162,10 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
     with servers(repo, args) as all_servers:
         shipped = all_servers[0]
         target = V2Target(Endpoint.from_url(shipped.url), shipped.requests)
-        capacity = max(capacity_rps(shipped.url, target, args.capacity_s) for _ in range(2))
-        print(f"capacity of the shipped config: {capacity:.1f} req/s", flush=True)
+        closed = max(capacity_rps(shipped.url, target, args.capacity_s) for _ in range(2))
+        capacity = run_async(open_loop_capacity(target, shipped.url, "minilm", closed))
+        print(f"capacity of the shipped config: {capacity:.1f} req/s open loop "
+              f"({closed:.1f} closed loop)", flush=True)  # fmt: skip
         plan = [(f"{r:g} rps", r, args.light_s, 0) for r in light]
         plan += [(f"{f:.0%} cap", f * capacity, args.mid_s, k) for k in range(args.repeats)
                  for f in mid]  # fmt: skip

@@ -124,6 +124,38 @@ async def replay(
     return Replayed(start_s, loop.completed + dispatcher.drained, snapshots)
 
 
+CAPACITY_LOADS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4)
+
+
+async def open_loop_capacity(
+    target: Target,
+    url: str,
+    model: str,
+    closed_rps: float,
+    *,
+    step_s: float = 4.0,
+    within_s: float = 1.0,
+) -> float:
+    """The highest Poisson rate (req/s) the model sustains open loop, as overload and traces are
+    sent: steps at CAPACITY_LOADS x the closed-loop rate, up to the first step that answers
+    fewer than 99% of its requests within `within_s`. A closed loop overstates it: its clients
+    wait for answers, so it never offers more than the server is finishing."""
+    best = 0.0
+    for load in CAPACITY_LOADS:
+        steps = [Step(0.0, step_s, load)]
+        offsets = arrival_times(steps, closed_rps, seed=7)
+        run = await replay(target, steps, offsets, url=url, model=None, timeout_s=10.0)
+        await settle(url, model)
+        on_time = sum(1 for r in run.records if r.outcome.ok and r.latency_s <= within_s)
+        share = on_time / max(1, len(run.records))
+        print(f"  open loop {load * closed_rps:7.1f} req/s: {share:.1%} answered within "
+              f"{within_s:g} s", flush=True)  # fmt: skip
+        if share < 0.99:
+            break
+        best = load * closed_rps
+    return best
+
+
 @dataclass
 class StepResult:
     """One step as a policy served it."""

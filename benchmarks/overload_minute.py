@@ -37,7 +37,7 @@ from adaptive_vs_static import (
     v2_requests,
 )
 from health_under_flood import probed, serving, summary
-from load_trace import Step, arrival_times, reload, replay, settle
+from load_trace import Step, arrival_times, open_loop_capacity, reload, replay, settle
 
 from fulcrum.client import Endpoint
 from fulcrum.loadgen.kserve import V2Target
@@ -45,9 +45,6 @@ from fulcrum.loadgen.records import STATUS_TIMEOUT, RequestRecord
 
 MODEL = "minilm"
 PROBE_HZ = 20.0
-CAPACITY_LOADS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.4)
-CAPACITY_STEP_S = 4.0
-SUSTAINED_S = 1.0  # a capacity step must answer within this
 
 
 @dataclass
@@ -119,22 +116,6 @@ def play(url: str, target: V2Target, steps: list[Step], rate: float, seed: int,
     return run.records
 
 
-def open_loop_capacity(url: str, target: V2Target, closed_rps: float) -> float:
-    """The highest offered rate (req/s) the shipped config sustains open loop."""
-    best = 0.0
-    for load in CAPACITY_LOADS:
-        steps = [Step(0.0, CAPACITY_STEP_S, load)]
-        records = play(url, target, steps, closed_rps, seed=7, timeout_s=10.0)
-        on_time = sum(1 for r in records if r.outcome.ok and r.latency_s <= SUSTAINED_S)
-        share = on_time / max(1, len(records))
-        print(f"  {load * closed_rps:7.1f} req/s offered: {share:.1%} answered within "
-              f"{SUSTAINED_S:g} s", flush=True)  # fmt: skip
-        if share < 0.99:
-            break
-        best = load * closed_rps
-    return best
-
-
 def overload(url: str, port: int, target: V2Target, name: str, override: dict[str, object] | None,
              capacity: float, args: argparse.Namespace) -> Outcome:  # fmt: skip
     reload(url, MODEL, override)
@@ -171,7 +152,7 @@ def run(repo: Path, args: argparse.Namespace) -> dict[str, object]:
         play(url, target, [Step(0.0, 3.0, 1.0)], 20.0, seed=1, timeout_s=10.0)  # warm
         closed = max(capacity_rps(url, target, 5.0) for _ in range(2))
         print(f"closed-loop capacity (32 clients): {closed:.1f} req/s; open loop:", flush=True)
-        capacity = open_loop_capacity(url, target, closed)
+        capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
         if capacity <= 0:
             raise SystemExit("not even 0.2x the closed-loop rate was sustained: machine too busy")
         print(f"open-loop capacity {capacity:.1f} req/s; overload {args.factor:g}x = "
