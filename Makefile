@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PORT ?= 8000
 MODELS ?= models
 
-.PHONY: install demo test lint typecheck check clean
+.PHONY: install demo test lint typecheck check clean redis-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,7 +27,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m fulcrum.demo --repository $(MODELS) --port $(PORT)
 
-test: $(STAMP)
+# The Redis cache tests start their own redis-server; this installs it where it is missing.
+redis-server:
+	bash scripts/redis-server.sh
+
+test: $(STAMP) redis-server
 	$(BIN)/python -m pytest -q -rs -p no:cacheprovider
 
 lint: $(STAMP)

@@ -8,6 +8,8 @@ import pytest
 
 from fulcrum.examples import build_examples
 
+pytest_plugins = ("redis_fixture",)  # `redis_server`: a real redis-server (tests/redis_fixture.py)
+
 
 @pytest.fixture(scope="session")
 def example_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -165,9 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         from fulcrum.loadgen.cli import register
 
         register(sub)
+    from fulcrum.cache import calibrate_cli
     from fulcrum.tuning import profile_cli, quantize_cli, tune_cli
 
-    for tool in (profile_cli, quantize_cli, tune_cli):
+    for tool in (profile_cli, quantize_cli, tune_cli, calibrate_cli):
         tool.register(sub)
     return parser
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from fulcrum.cache.settings import CacheSettings, validate_cache
 from fulcrum.datatypes import DATATYPES
 from fulcrum.errors import ConfigError
 from fulcrum.parameters import check_parameters
@@ -149,6 +150,7 @@ class ModelConfig(_Frozen, frozen=True, kw_only=True):
     # Variants of this model; none declared: one implicit variant named "default".
     variants: dict[str, Variant] = {}
     default_variant: str = ""  # "": the first variant listed
+    cache: CacheSettings | None = None  # no `[cache]` table: no result caching
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -256,6 +258,8 @@ def validate(config: ModelConfig) -> None:
     if config.dynamic_batching is not None:
         _validate_batching(config.dynamic_batching, config.max_batch_size)
     _validate_variants(config)
+    if config.cache is not None:
+        validate_cache(config.cache)
 
 
 def _validate_variants(config: ModelConfig) -> None:

