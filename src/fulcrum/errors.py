@@ -19,6 +19,9 @@ FulcrumError (500)
 from __future__ import annotations
 
 import math
+import re
+
+_LEADING_FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
 
 
 class FulcrumError(Exception):
@@ -36,9 +39,16 @@ class FulcrumError(Exception):
 
 
 class InvalidInput(FulcrumError):
-    """The request is malformed: bad JSON, unknown input, wrong datatype or shape."""
+    """The request is malformed: bad JSON, unknown input, wrong datatype or shape. `param` names
+    the offending request field (OpenAI's `param`); by the tree's convention a message that opens
+    with `field: ` names it, so that is the default."""
 
     status_code = 400
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        leading = _LEADING_FIELD.match(message)
+        self.param = param if param is not None or leading is None else leading.group(1)
 
 
 class Forbidden(FulcrumError):

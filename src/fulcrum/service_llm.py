@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fulcrum.cache.llm_semantic import ChatSource, CompletionSource, PromptSource
 from fulcrum.errors import DeadlineExceeded, PayloadTooLarge
 from fulcrum.extras import require_extra
+from fulcrum.llm.chat import DEFAULT_OPTIONS, ChatOptions
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -87,6 +89,16 @@ class LLMCall:
     token_ids: list[int]
     max_model_len: int
     engine: AsyncLLMEngine
+    source: PromptSource | None = None  # what the prompt was made from (the semantic cache)
+
+    # The HTTP layer reaches the engine only through the service: these are what it needs.
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens kept."""
+        return self.engine.decode(token_ids)
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text (never raises: a top alternative may be a padding id)."""
+        return self.engine.decode_token(token_id)
 
 
 def _check_prompt_size(texts: list[str], engine: AsyncLLMEngine, max_bytes: int) -> None:
@@ -104,18 +116,29 @@ def _check_prompt_size(texts: list[str], engine: AsyncLLMEngine, max_bytes: int)
 
 
 async def prepare_prompt(
-    servable: LLMServable, name: str, version: int, prompt: str | list[int], max_bytes: int
+    servable: LLMServable,
+    name: str,
+    version: int,
+    prompt: str | list[int],
+    max_bytes: int,
+    *,
+    add_special_tokens: bool = True,
 ) -> LLMCall:
     engine = servable.engine
     if isinstance(prompt, str):
         _check_prompt_size([prompt], engine, max_bytes)
         if len(prompt) > LARGE_PROMPT_CHARS:
-            token_ids = await asyncio.to_thread(engine.encode, prompt)
+            token_ids = await asyncio.to_thread(
+                engine.encode, prompt, add_special_tokens=add_special_tokens
+            )
         else:
-            token_ids = engine.encode(prompt)
+            token_ids = engine.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         token_ids = list(prompt)
-    return LLMCall(name, version, token_ids, engine.max_model_len, engine)
+    # Token ids have no text the semantic cache could compare.
+    text = prompt if isinstance(prompt, str) else None
+    source = None if text is None else CompletionSource(text, add_special_tokens, len(token_ids))
+    return LLMCall(name, version, token_ids, engine.max_model_len, engine, source)
 
 
 async def prepare_chat(
@@ -124,14 +147,19 @@ async def prepare_chat(
     version: int,
     messages: list[dict[str, str]],
     max_bytes: int,
+    options: ChatOptions = DEFAULT_OPTIONS,
 ) -> LLMCall:
     engine = servable.engine
-    _check_prompt_size([m["content"] for m in messages], engine, max_bytes)
-    if sum(len(m["content"]) for m in messages) > LARGE_PROMPT_CHARS:
-        token_ids = await asyncio.to_thread(engine.encode_chat, messages)
+    texts = [m["content"] for m in messages] + options.extra_texts()
+    _check_prompt_size(texts, engine, max_bytes)
+    # A request's own template may take up to its render budget: never on the event loop.
+    large = sum(len(text) for text in texts) > LARGE_PROMPT_CHARS
+    if large or options.request_template is not None:
+        token_ids = await asyncio.to_thread(engine.encode_chat, messages, options)
     else:
-        token_ids = engine.encode_chat(messages)
-    return LLMCall(name, version, token_ids, engine.max_model_len, engine)
+        token_ids = engine.encode_chat(messages, options)
+    source = ChatSource(messages, options, len(token_ids))
+    return LLMCall(name, version, token_ids, engine.max_model_len, engine, source)
 
 
 def generate(

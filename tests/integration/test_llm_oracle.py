@@ -4,9 +4,6 @@ and under staggered arrivals, chunked prefill, preemption and prefix-cache hits.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
 import torch
 
@@ -15,14 +12,14 @@ from fulcrum.llm.loader import load_checkpoint
 from fulcrum.llm.params import EngineParams
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.sync_engine import LLMEngine
+from llm_oracle_runs import Reference, random_prompts, run_alone, run_staggered
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB_SIZE = 512
 NUM_NEW_TOKENS = 20
-# Below this top-1/top-2 logit gap, float32 rounding differences between two correct
-# implementations could flip the argmax; such a position and everything after it is not compared.
-NEAR_TIE_MARGIN = 1e-3
+# The reference stops before a near-tie (llm_oracle_runs.NEAR_TIE_MARGIN): float32 rounding in two
+# correct implementations could flip that argmax, so it and what follows are not compared.
 
 HF_CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(
@@ -60,38 +57,6 @@ HF_CONFIGS = {
 }
 
 
-class Reference:
-    """A saved checkpoint and transformers' greedy continuation of each prompt."""
-
-    def __init__(self, directory: Path, model: Any) -> None:
-        self.directory = directory
-        self.model = model
-        self._cache: dict[tuple[int, ...], list[int]] = {}
-
-    def greedy(self, prompt: list[int]) -> list[int]:
-        """transformers' tokens, cut before the first near-tie."""
-        key = tuple(prompt)
-        if key not in self._cache:
-            with torch.no_grad():
-                out = self.model.generate(
-                    torch.tensor([prompt]),
-                    max_new_tokens=NUM_NEW_TOKENS,
-                    do_sample=False,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=0,
-                    eos_token_id=None,
-                )
-            tokens = out.sequences[0, len(prompt) :].tolist()
-            for i, scores in enumerate(out.scores):
-                top2 = torch.topk(scores[0].float(), 2).values
-                if float(top2[0] - top2[1]) < NEAR_TIE_MARGIN:
-                    tokens = tokens[:i]
-                    break
-            self._cache[key] = tokens
-        return self._cache[key]
-
-
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
 def reference(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -101,18 +66,11 @@ def reference(
     directory = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(directory)  # safetensors
     write_tokenizer(directory, bos="<s>", eos="</s>")
-    return Reference(directory, model)
+    return Reference(directory, model, NUM_NEW_TOKENS)
 
 
 def _prompts(num: int, seed: int, *, shared_prefix_len: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(2, VOCAB_SIZE, (shared_prefix_len,), generator=generator).tolist()
-    prompts = []
-    for _ in range(num):
-        length = int(torch.randint(3, 40, (1,), generator=generator))
-        tail = torch.randint(2, VOCAB_SIZE, (length,), generator=generator).tolist()
-        prompts.append(prefix + tail)
-    return prompts
+    return random_prompts(num, seed, VOCAB_SIZE, shared_prefix_len=shared_prefix_len)
 
 
 def _greedy() -> SamplingParams:
@@ -128,12 +86,8 @@ def _assert_matches(reference: Reference, prompt: list[int], got: list[int]) -> 
 
 def test_alone_matches_transformers(reference: Reference) -> None:
     engine = LLMEngine(load_checkpoint(reference.directory), EngineParams(num_kv_blocks=64))
-    for i, prompt in enumerate(_prompts(4, seed=1)):
-        engine.add_request(str(i), prompt, _greedy())
-        tokens: list[int] = []
-        while engine.has_unfinished():
-            for output in engine.step():
-                tokens += output.new_token_ids
+    prompts = _prompts(4, seed=1)
+    for prompt, tokens in zip(prompts, run_alone(engine, prompts, _greedy()), strict=True):
         _assert_matches(reference, prompt, tokens)
 
 
@@ -149,17 +103,8 @@ def test_staggered_chunked_preempted_and_cached_match_transformers(reference: Re
     # Half share a 17-token system prompt (four full blocks): cache hits after the first.
     prompts = _prompts(6, seed=2, shared_prefix_len=17) + _prompts(6, seed=3)
     assert max(len(p) for p in prompts) > params.max_num_batched_tokens
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished():
-        if pending and step % 3 == 0:  # staggered arrivals: one request every third step
-            i, prompt = pending.pop(0)
-            engine.add_request(str(i), prompt, _greedy())
-        for output in engine.step():
-            tokens[output.request_id] += output.new_token_ids
-        step += 1
+    outputs = run_staggered(engine, prompts, _greedy())  # one arrival every third step
     assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.stats.num_hits > 0
-    for i, prompt in enumerate(prompts):
-        _assert_matches(reference, prompt, tokens[str(i)])
+    for prompt, tokens in zip(prompts, outputs, strict=True):
+        _assert_matches(reference, prompt, tokens)

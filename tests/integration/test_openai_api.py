@@ -33,14 +33,6 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-async def service(repo: Path) -> AsyncIterator[Service]:
-    service = Service.from_repository(repo)
-    await service.start()
-    yield service
-    await service.stop()
-
-
-@pytest.fixture
 def engine(service: Service) -> AsyncLLMEngine:
     servable = service._repository.get("tiny")[2]
     assert isinstance(servable, LLMServable)
@@ -144,15 +136,15 @@ async def test_stop_string_ends_with_stop(client: httpx.AsyncClient) -> None:
 @pytest.mark.parametrize(
     ("patch", "status", "needle"),
     [
-        ({"n": 2}, 400, "n:"),
+        ({"n": 0}, 400, "n:"),  # n > 1 is served now (issue 13): n bounded to 1..MAX_N
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"max_tokens": 500}, 400, "max_tokens"),
         ({"max_tokens": "many"}, 400, "max_tokens"),
         ({"temperature": -1}, 400, "temperature"),
         ({"top_p": 0}, 400, "top_p"),
         ({"model": "nope"}, 404, "nope"),
-        ({"prompt": [[1, 2], [3]]}, 400, "prompt"),
-        ({"logprobs": 2}, 400, "logprobs"),
+        ({"prompt": [[1, 2], "x"]}, 400, "prompt"),  # batched prompts are served, mixed not
+        ({"logprobs": 21}, 400, "logprobs"),  # logprobs are served, up to 20
     ],
 )
 async def test_bad_requests_get_openai_errors(

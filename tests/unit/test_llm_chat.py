@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, processors
 
 from fulcrum.errors import ConfigError, InvalidInput
 from fulcrum.llm.chat import ChatTemplate
+from fulcrum.llm.chat_sandbox import BoundedEnvironment
 from fulcrum.llm.examples import CHAT_TEMPLATE, build_tiny_gpt2, build_tiny_llama
 from fulcrum.llm.loader import load_checkpoint
 from fulcrum.llm.params import EngineParams
@@ -83,7 +83,7 @@ def test_gpt2_style_template_without_bos_gets_none_added(tmp_path: Path) -> None
     assert engine.encode_chat(MESSAGES) == expected
 
 
-class CountingEnvironment(ImmutableSandboxedEnvironment):
+class CountingEnvironment(BoundedEnvironment):
     """The sandboxed environment, counting template compilations."""
 
     num_compiled = 0
@@ -96,7 +96,7 @@ class CountingEnvironment(ImmutableSandboxedEnvironment):
 def test_a_template_is_compiled_once_and_rendered_per_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("jinja2.sandbox.ImmutableSandboxedEnvironment", CountingEnvironment)
+    monkeypatch.setattr("fulcrum.llm.chat_sandbox.BoundedEnvironment", CountingEnvironment)
     CountingEnvironment.num_compiled = 0
     chat = ChatTemplate(LLAMA_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
     prompts = {chat.render(MESSAGES) for _ in range(5)}

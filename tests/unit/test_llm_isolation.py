@@ -13,9 +13,10 @@ from fulcrum.errors import InvalidInput, ModelError
 from fulcrum.llm.engine import AsyncLLMEngine
 from fulcrum.llm.examples import build_tiny_llama
 from fulcrum.llm.loader import LoadedLLM, load_checkpoint
+from fulcrum.llm.logits_processors import TokenHistory
 from fulcrum.llm.params import EngineParams
 from fulcrum.llm.runner import Sampled
-from fulcrum.llm.sampler import Sampler
+from fulcrum.llm.sampler import SampledToken, Sampler
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.scheduler import ScheduledBatch
 from fulcrum.llm.sync_engine import MAX_CONSECUTIVE_FAILED_STEPS, LLMEngine
@@ -49,12 +50,16 @@ class PoisonSampler(Sampler):
     """Fails any draw that includes the poisoned request's row, as NaN logits make
     torch.multinomial fail; rows drawn without it sample normally."""
 
-    def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]
-    ) -> list[int]:
+    def sample_tokens(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seq_ids: list[int],
+        histories: list[TokenHistory] | None = None,
+    ) -> list[SampledToken]:
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return super().sample(logits, params, seq_ids)
+        return super().sample_tokens(logits, params, seq_ids, histories)
 
 
 class FailingRun:

@@ -11,10 +11,12 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fulcrum.errors import FulcrumError, InvalidInput, ModelError, QueueFull, Unavailable
+from fulcrum.llm.chat import DEFAULT_OPTIONS, ChatOptions
 from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.outputs import RequestOutput
 from fulcrum.llm.params import EngineParams
@@ -33,24 +35,16 @@ log = logging.getLogger(__name__)
 _Item = RequestOutput | BaseException
 
 
+@dataclass(frozen=True, slots=True)
 class _Add:
     """A request handed from the event loop to the engine thread."""
 
-    def __init__(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        sampling: SamplingParams,
-        priority: int,
-        cache_salt: str | None,
-        arrival_s: float,
-    ) -> None:
-        self.request_id = request_id
-        self.token_ids = token_ids
-        self.sampling = sampling
-        self.priority = priority
-        self.cache_salt = cache_salt
-        self.arrival_s = arrival_s
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_s: float
 
 
 class AsyncLLMEngine:
@@ -129,14 +123,35 @@ class AsyncLLMEngine:
         """Token ids of a text prompt (the tokenizer's special tokens added unless told not)."""
         return self.engine.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], options: ChatOptions = DEFAULT_OPTIONS
+    ) -> list[int]:
         """Token ids of chat messages: the template renders the special tokens, so the
         tokenizer adds none (no double BOS), as transformers' apply_chat_template does."""
-        return self.engine.encode_chat(messages)
+        return self.engine.encode_chat(messages, options)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], options: ChatOptions = DEFAULT_OPTIONS
+    ) -> str:
         """The prompt text for chat messages (the checkpoint's template, or a default)."""
-        return self.engine.apply_chat_template(messages)
+        return self.engine.apply_chat_template(messages, options)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens kept (InvalidInput for ids outside the vocab)."""
+        return self.engine.decode(token_ids)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary entry of each id."""
+        return self.engine.token_strings(token_ids)
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text, special tokens kept; "" for a padding id past the tokenizer's."""
+        return str(self.engine.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def abort(self, request_id: str) -> None:
+        """Abort an admitted request whose stream will never be read; unknown ids are ignored."""
+        self._forget(request_id)
+        self._submit(request_id)
 
     async def start(self) -> None:
         """Start the engine thread."""

@@ -5,6 +5,7 @@ A `fulcrum quantize` file (`model.int8.safetensors`) is read only when `model_fi
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ class LoadedLLM:
     chat_template: str | None
     special_tokens: dict[str, str]  # bos_token / eos_token strings, for the chat template
     max_model_len: int
+    # Salt for the prefix cache given a prompt's token count: set where the model's K/V depend
+    # on the prompt's length (dynamic / longrope RoPE beyond the trained length), else None.
+    prefix_cache_key: Callable[[int], str | None] = lambda num_prompt_tokens: None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -85,7 +89,16 @@ def load_checkpoint(
             if tok_config.get(key)
         },
         max_model_len=model.max_model_len,
+        prefix_cache_key=_prefix_cache_key(module),
     )
+
+
+def _prefix_cache_key(module: torch.nn.Module) -> Callable[[int], str | None]:
+    from fulcrum.llm.models.llama import LlamaForCausalLM
+
+    if isinstance(module, LlamaForCausalLM):
+        return module.prefix_cache_key
+    return lambda num_prompt_tokens: None
 
 
 def weight_files(directory: Path, model_file: str) -> tuple[list[Path], str]:

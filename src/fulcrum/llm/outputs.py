@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from fulcrum.errors import ModelError
 from fulcrum.llm.detokenizer import IncrementalDetokenizer
+from fulcrum.llm.logprobs import TokenLogprob
 from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.sequence import Sequence
 
@@ -33,6 +34,10 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
     usage: Usage
     error: ModelError | None = None  # why this request alone failed (finish_reason "error")
+    # One per new token when the request asked for logprobs, else empty.
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With the request's first output when it asked for prompt_logprobs (None for token 0).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -51,6 +56,7 @@ class RequestState:
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_sent_tokens: int = 0
+    sent_prompt_logprobs: bool = False
     itl_s: list[float] = field(default_factory=list)
 
     def on_scheduled(self, now_s: float, metrics: LLMMetrics | None) -> None:
@@ -88,6 +94,9 @@ class RequestState:
         seq = self.seq
         # Slice token_ids directly: output_token_ids copies the whole output every step.
         new_ids = seq.token_ids[seq.num_prompt_tokens + self.num_sent_tokens :]
+        new_logprobs = seq.output_logprobs[self.num_sent_tokens :]
+        first = self.num_sent_tokens == 0 and not self.sent_prompt_logprobs
+        self.sent_prompt_logprobs = True
         self.num_sent_tokens = seq.num_output_tokens
         return RequestOutput(
             request_id=self.request_id,
@@ -95,4 +104,6 @@ class RequestState:
             new_text=self.detokenizer.take(final=finish_reason is not None),
             finish_reason=finish_reason,
             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
+            new_logprobs=new_logprobs,
+            prompt_logprobs=seq.prompt_logprobs if first else None,
         )

@@ -45,6 +45,9 @@ class EngineParams:
     slo_tpot_ms: float = 0.0  # time per output token (inter-token latency)
     min_num_batched_tokens: int = 0  # the adaptive budget's floor; 0: the running sequences
     slo_ttft_action: str = "shed"  # predicted to miss slo_ttft_ms: "shed" (503) or "queue"
+    # A chat request may bring its own Jinja template (vLLM's --trust-request-chat-template);
+    # off by default: a template is code, even sandboxed and bounded.
+    trust_request_chat_template: bool = False
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, Any]) -> EngineParams:

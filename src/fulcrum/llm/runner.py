@@ -1,5 +1,6 @@
 """ModelRunner: turns a ScheduledBatch into tensors, runs the model over the paged KV cache, and
-samples a next token for the sequences whose last known token was computed this step."""
+samples a next token for the sequences whose last known token was computed this step; writes the
+logprobs a request asked for (of its tokens, and of its prompt) onto its sequence."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import numpy as np
 import torch
 
 from fulcrum.errors import ConfigError, ModelError
+from fulcrum.llm.logprobs import token_logprobs
 from fulcrum.llm.models import CausalLM, decode_kernel
 from fulcrum.llm.models.attention import build_metadata, kv_cache_shape
-from fulcrum.llm.sampler import Sampler
+from fulcrum.llm.sampler import SampledToken, Sampler
 
 if TYPE_CHECKING:
-    from fulcrum.llm.sampling_params import SamplingParams
     from fulcrum.llm.scheduler import ScheduledBatch
+    from fulcrum.llm.sequence import Sequence
 
+# Prompt positions scored per slice for prompt_logprobs: bounds the (rows, vocabulary) logits.
+PROMPT_LOGPROBS_ROWS = 256
 # Per sequence of a step: its sampled token, None (mid-prefill), or the error of its own row.
 Sampled = int | ModelError | None
 
@@ -81,9 +85,12 @@ class ModelRunner:
         context_lens: list[int] = []
         sample_rows: list[int] = []  # index into the flat tokens of each sampling seq's last one
         sampling: list[int] = []  # indices into batch.seqs of the sampling sequences
+        scored: list[tuple[Sequence, int, int]] = []  # wanting prompt logprobs: first row, count
         for index, seq, num_new in zip(order, seqs, query_lens, strict=True):
             start = seq.num_computed_tokens
             end = start + num_new
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                scored.append((seq, len(input_ids), num_new))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             context_lens.append(end)
@@ -98,25 +105,46 @@ class ModelRunner:
             self.device,
             split_chunks=True,
             in_place_decode=self.in_place_decode,
+            prompt_lens=[seq.num_prompt_tokens for seq in seqs],  # length-dependent RoPE
         )
         # Via numpy: torch.tensor converts a Python list element by element, about 4x slower.
         ids = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device)
         pos = torch.from_numpy(np.array(positions, dtype=np.int64)).to(self.device)
         hidden = self.model(ids, pos, meta, self.kv_caches)  # (T, C)
+        for seq, first_row, num_new in scored:
+            self._score_prompt(seq, hidden, first_row, num_new)
         sampled: list[Sampled] = [None] * len(batch.seqs)
         if not sampling:
             return sampled
         # Sample in batch order, so unseeded requests draw from the shared generator as before.
         pairs = sorted(zip(sampling, sample_rows, strict=True))
         logits = self.model.compute_logits(hidden[[row for _, row in pairs]])  # (S, V)
-        tokens = self._sample(
-            logits,
-            [batch.seqs[i].sampling for i, _ in pairs],
-            [batch.seqs[i].seq_id for i, _ in pairs],
-        )
+        tokens = self._sample(logits, [batch.seqs[i] for i, _ in pairs])
         for (index, _), token in zip(pairs, tokens, strict=True):
-            sampled[index] = token
+            if isinstance(token, SampledToken):
+                if token.logprob is not None:
+                    batch.seqs[index].output_logprobs.append(token.logprob)
+                sampled[index] = token.token_id
+            else:
+                sampled[index] = token
         return sampled
+
+    def _score_prompt(
+        self, seq: Sequence, hidden: torch.Tensor, first_row: int, num_new: int
+    ) -> None:
+        """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1);
+        a recomputed chunk (after a preemption) rewrites the same values."""
+        assert seq.prompt_logprobs is not None
+        start = seq.num_computed_tokens
+        end = min(start + num_new, seq.num_prompt_tokens - 1)
+        num_top = seq.sampling.prompt_logprobs or 0
+        # In slices, so a long chunk never holds (tokens x vocabulary) logits at once.
+        for first in range(start, end, PROMPT_LOGPROBS_ROWS):
+            last = min(first + PROMPT_LOGPROBS_ROWS, end)
+            rows = hidden[first_row + first - start : first_row + last - start]
+            targets = seq.token_ids[first + 1 : last + 1]
+            found = token_logprobs(self.model.compute_logits(rows), targets, [num_top] * len(rows))
+            seq.prompt_logprobs[first + 1 : last + 1] = found
 
     def release(self, seq_id: int) -> None:
         """Drop per-request sampler state of a finished or aborted sequence."""
@@ -128,18 +156,24 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
 
     def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]
-    ) -> list[int | ModelError]:
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[SampledToken | ModelError]:
         """logits (S, V) -> a token per row; if the batch fails, each row is drawn alone so only
         the rows that fail on their own get an error (with nothing of another row in it)."""
+        params = [seq.sampling for seq in seqs]
+        seq_ids = [seq.seq_id for seq in seqs]
         try:
-            return list(self.sampler.sample(logits, params, seq_ids))
+            return list(self.sampler.sample_tokens(logits, params, seq_ids, list(seqs)))
         except Exception:  # a bad row (NaN logits, say) fails the batched draw; isolate it
             pass
-        out: list[int | ModelError] = []
-        for row, (sampling, seq_id) in enumerate(zip(params, seq_ids, strict=True)):
+        out: list[SampledToken | ModelError] = []
+        for row, seq in enumerate(seqs):
             try:
-                out.extend(self.sampler.sample(logits[row : row + 1], [sampling], [seq_id]))
+                out.extend(
+                    self.sampler.sample_tokens(
+                        logits[row : row + 1], [seq.sampling], [seq.seq_id], [seq]
+                    )
+                )
             except Exception as exc:
                 out.append(ModelError(f"sampling failed for this request: {exc}"))
         return out

@@ -1,14 +1,36 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, and a private generator per seeded
-request, so a seeded request draws the same tokens whatever else shares its batches."""
+"""Next-token sampling: the per-request processors (fulcrum.llm.logits_processors), greedy,
+temperature, min-p, top-k, top-p, a private generator per seeded request (so a seeded request
+draws the same tokens whatever else shares its batches), and the chosen tokens' logprobs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from fulcrum.llm.logits_processors import apply_min_p, apply_processors, needs_processing
+from fulcrum.llm.logprobs import TokenLogprob, token_logprobs
+
 if TYPE_CHECKING:
+    from fulcrum.llm.logits_processors import TokenHistory
     from fulcrum.llm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """A drawn token and, when its request asked for them, its logprobs."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+class _NoHistory:
+    """The history of a row sampled without one: nothing generated, no prompt."""
+
+    token_ids: list[int] = []  # noqa: RUF012 - read-only, never mutated
+    num_prompt_tokens = 0
+    eos_token_id = None
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor | int) -> torch.Tensor:
@@ -55,19 +77,49 @@ class Sampler:
         self._generators: dict[int, torch.Generator] = {}
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seq_ids: list[int],
+        histories: list[TokenHistory] | None = None,
     ) -> list[int]:
-        """logits (B, V) -> one token id per row; the random rows are masked and drawn as one
-        batch (a seeded request draws from its own generator)."""
+        """logits (B, V) -> one token id per row (see sample_tokens)."""
+        return [t.token_id for t in self.sample_tokens(logits, params, seq_ids, histories)]
+
+    def sample_tokens(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seq_ids: list[int],
+        histories: list[TokenHistory] | None = None,
+    ) -> list[SampledToken]:
+        """logits (B, V) -> one token per row: processed by each row's settings, then the random
+        rows masked and drawn as one batch (a seeded request draws from its own generator)."""
+        raw = logits
         logits = logits.float()
+        if needs_processing(params):
+            rows_history = histories or [_NoHistory()] * len(params)
+            logits = apply_processors(logits, params, rows_history)
         out: list[int] = logits.argmax(dim=-1).tolist()
         rows = [i for i, sampling in enumerate(params) if not sampling.is_greedy]
-        if not rows:
-            return out
+        if rows:
+            self._draw(logits, params, seq_ids, rows, out)
+        return self._with_logprobs(raw, params, out)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seq_ids: list[int],
+        rows: list[int],
+        out: list[int],
+    ) -> None:
         chosen = [params[i] for i in rows]
         device = logits.device
         temperature = torch.tensor([s.effective_temperature for s in chosen], device=device)
         scores = logits[rows] / temperature[:, None]
+        if any(s.min_p for s in chosen):
+            scores = apply_min_p(scores, torch.tensor([s.min_p for s in chosen], device=device))
         vocab = logits.shape[-1]  # a larger top_k is off; clamped, any int fits the tensor
         top_k = torch.tensor([min(s.top_k, vocab) for s in chosen], device=device)
         scores = top_k_mask(scores, top_k)
@@ -82,7 +134,19 @@ class Sampler:
             if sampling.seed is not None:
                 generator = self._seeded(seq_ids[rows[j]], sampling.seed)
                 out[rows[j]] = int(torch.multinomial(probs[j], 1, generator=generator).item())
-        return out
+
+    @staticmethod
+    def _with_logprobs(
+        raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+    ) -> list[SampledToken]:
+        rows = [i for i, s in enumerate(params) if s.logprobs is not None]
+        sampled = [SampledToken(t) for t in tokens]
+        if rows:
+            num_top = [params[i].logprobs or 0 for i in rows]
+            found = token_logprobs(raw[rows], [tokens[i] for i in rows], num_top)
+            for i, logprob in zip(rows, found, strict=True):
+                sampled[i] = SampledToken(tokens[i], logprob)
+        return sampled
 
     def release(self, seq_id: int) -> None:
         """Forget a finished request's generator."""

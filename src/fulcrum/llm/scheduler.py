@@ -249,6 +249,8 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         sampling = seq.sampling
+        if seq.num_output_tokens < sampling.min_tokens:  # <= max_tokens: never past the length
+            return None  # vLLM: no stop before min_tokens (their logits were masked anyway)
         if token_id == seq.eos_token_id and not sampling.ignore_eos:
             return FinishReason.STOP
         if token_id in sampling.stop_token_ids:

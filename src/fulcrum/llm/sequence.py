@@ -4,9 +4,13 @@ the blocks that hold them."""
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from fulcrum.errors import InvalidInput
 from fulcrum.llm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fulcrum.llm.logprobs import TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -61,6 +65,12 @@ class Sequence:
         # on content only, so they survive preemption and are reused on re-admission.
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
+        # Written by the runner when the request asked for them: one per generated token, and
+        # one per prompt token (None for the first, which nothing predicts).
+        self.output_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if sampling.prompt_logprobs is None else [None] * len(prompt_token_ids)
+        )
 
     def __repr__(self) -> str:
         return (

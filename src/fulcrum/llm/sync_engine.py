@@ -4,7 +4,6 @@ fails only the requests it can be traced to; the engine keeps serving the others
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -28,10 +27,12 @@ from fulcrum.llm.loader import DTYPES, LoadedLLM, load_checkpoint
 from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.outputs import RequestOutput, RequestState, Usage
 from fulcrum.llm.params import EngineParams
+from fulcrum.llm.request_setup import complete_sampling, scoring_salt
 from fulcrum.llm.runner import ModelRunner, num_blocks_for_budget
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.scheduler import ScheduledBatch, Scheduler
 from fulcrum.llm.sequence import FinishReason, Sequence
+from fulcrum.llm.text_front import TextFrontEnd
 from fulcrum.llm.threads import pin_num_threads
 from fulcrum.types import Clock, MonotonicClock
 
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
-class LLMEngine:
+class LLMEngine(TextFrontEnd):
     """Continuous batching over one model; not thread-safe: one thread calls every method."""
 
     def __init__(
@@ -52,13 +53,20 @@ class LLMEngine:
         metrics: LLMMetrics | None = None,
         clock: Clock | None = None,
     ) -> None:
+        super().__init__(
+            loaded.tokenizer,
+            ChatTemplate(  # compiled once
+                loaded.chat_template,
+                loaded.special_tokens,
+                trust_request_templates=params.trust_request_chat_template,
+            ),
+        )
         self.params = params
-        self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.chat_template = loaded.chat_template
         self.special_tokens = loaded.special_tokens
-        self.chat = ChatTemplate(loaded.chat_template, loaded.special_tokens)  # compiled once
         self.vocab_size = loaded.model.vocab_size
+        self.prefix_cache_key = loaded.prefix_cache_key
         dtype = DTYPES[params.dtype]
         device = torch.device(params.resolve_device())
         num_blocks = params.num_kv_blocks or num_blocks_for_budget(
@@ -120,25 +128,10 @@ class LLMEngine:
         )
         return cls(loaded, params, metrics=metrics)
 
-    def encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text prompt (with the tokenizer's BOS/EOS unless told otherwise)."""
-        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for chat messages."""
-        return self.chat.render(messages)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat messages, as transformers' apply_chat_template(tokenize=True)."""
-        # A checkpoint's template renders its own special tokens (BOS included): adding the
-        # tokenizer's as well would double them (vLLM and transformers encode without them).
-        # The role-tagged default renders none, so the tokenizer's are kept there.
-        text = self.chat.render(messages)
-        return self.encode(text, add_special_tokens=self.chat.is_default)
-
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise InvalidInput (naming the field) for a request that can never run."""
         sampling.validate()
+        sampling.check_vocabulary(self.vocab_size)
         if not prompt_token_ids:
             raise InvalidInput("prompt: must have at least one token")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
@@ -168,10 +161,12 @@ class LLMEngine:
         self.check_request(prompt_token_ids, sampling)
         if check_slo:
             self.check_admission(len(prompt_token_ids))
-        eos, *more_eos = self.eos_token_ids or (None,)
-        if more_eos and not sampling.ignore_eos:
-            stops = tuple(dict.fromkeys(sampling.stop_token_ids + tuple(more_eos)))
-            sampling = dataclasses.replace(sampling, stop_token_ids=stops)
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        sampling = complete_sampling(sampling, self.eos_token_ids, self._encode_plain)
+        cache_salt = scoring_salt(sampling, cache_salt)
+        rope_key = self.prefix_cache_key(len(prompt_token_ids))
+        if rope_key is not None:  # K/V rotated by the prompt's length: shared only at that length
+            cache_salt = f"{cache_salt or ''}/{rope_key}"
         arrival = self.clock.now() if arrival_s is None else arrival_s
         seq = Sequence(
             next(self._seq_ids),
@@ -188,9 +183,8 @@ class LLMEngine:
             if self.metrics is not None:
                 self.metrics.request_shed("queue_full")
             raise
-        state = RequestState(
-            request_id, seq, IncrementalDetokenizer(self.tokenizer, sampling.stop), arrival
-        )
+        detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, sampling)
+        state = RequestState(request_id, seq, detokenizer, arrival)
         self._requests[request_id] = state
         self._by_seq[seq.seq_id] = state
         self._publish_queue()

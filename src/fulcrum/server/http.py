@@ -22,6 +22,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 T = TypeVar("T")
 _json = msgspec.json.Encoder()
 OPENAI_PREFIX = "/v1/"
+# vLLM's routes outside /v1 answer errors in OpenAI's shape too.
+OPENAI_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
 # OpenAI's error `type` by status; v2 errors are `{"error": message}`.
 _OPENAI_ERROR_TYPES = {
     400: "invalid_request_error",
@@ -43,9 +45,12 @@ def json_response(content: object, status_code: int = 200) -> Response:
 def error_body(path: str, exc: FulcrumError) -> dict[str, Any]:
     """The error body for `path`: OpenAI's shape under /v1/, KServe v2's elsewhere; never a
     stack trace."""
-    if path.startswith(OPENAI_PREFIX) or path == OPENAI_PREFIX.rstrip("/"):
+    if path.startswith(OPENAI_PREFIX) or path in OPENAI_PATHS:
         kind = _OPENAI_ERROR_TYPES.get(exc.status_code, "internal_error")
-        return {"error": {"message": exc.message, "type": kind, "code": exc.status_code}}
+        param = getattr(exc, "param", None)  # OpenAI's body always carries it, null or a field
+        return {
+            "error": {"message": exc.message, "type": kind, "param": param, "code": exc.status_code}
+        }
     return {"error": exc.message}
 
 
@@ -72,7 +77,10 @@ def endpoint(fn: Endpoint) -> Endpoint:
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.url.path)
             response = error_response(request.url.path, FulcrumError("internal server error"))
-        request_id = request.headers.get(REQUEST_ID_HEADER)
+        # The id the route answered under (a body's request_id), else the client's header.
+        request_id = getattr(request.state, "request_id", None) or request.headers.get(
+            REQUEST_ID_HEADER
+        )
         if request_id is not None and request_id.isascii() and len(request_id) <= 128:
             response.headers.setdefault(REQUEST_ID_HEADER, request_id)
         return response

@@ -9,7 +9,9 @@ the query heads sharing a KV head into that head's query rows, (B, Hkv, H / Hkv,
 block per KV head instead of a one-row block per query head (about 25% faster on CPU, same greedy
 tokens). On the CPU in float32, decodes skip all of this: one group whose queries read each
 sequence's own blocks in place (`decode_kernel.paged_decode`: no gather, no padding, no mask).
-The layout is built once per step (`attention_metadata.build_metadata`).
+The layout is built once per step (`attention_metadata.build_metadata`); layers with a sliding
+window attend through its windowed variant (`AttentionMetadata.windowed`): masks that also hide
+keys `window` or more positions back, and in-place decodes that start reading there.
 
 A layer's pool is head-major, (Hkv, num_blocks, block_size, D) (`kv_cache_shape`): gathering a
 sequence's blocks then gives each KV head's keys as one contiguous (K, D) slab, which SDPA reads
@@ -82,7 +84,15 @@ def _attend(
     num_kv_heads = k_cache.shape[0]
     if group.context_lens is not None:  # decodes read in place: (Bg, Hkv, H / Hkv, D) queries
         q_fold = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = paged_decode(q_fold, k_cache, v_cache, group.block_tables, group.context_lens, scale)
+        out = paged_decode(
+            q_fold,
+            k_cache,
+            v_cache,
+            group.block_tables,
+            group.context_lens,
+            scale,
+            skip=group.window_skip,
+        )
         return out.view(b, num_heads, head_dim)
     if group.token_index is None:
         q_pad = q  # every member has max_q queries: already the padded layout

@@ -1,11 +1,12 @@
 """Per-step paged-attention layout: cache slots of the new tokens, and the SDPA groups (decodes
 bucketed by context length, prefill chunks) with their block tables and masks. Built once per step
-from plain lists, shared by every layer."""
+from plain lists, shared by every layer; layers with a sliding window share a windowed variant,
+built on first use in the step."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,6 +42,26 @@ class AttentionGroup:
     # (Bg,) int64 context lengths of a decode group attended in place (`decode_kernel`): no
     # gather, no mask, no padding. None for the gather-and-SDPA path.
     context_lens: torch.Tensor | None = None
+    # (Bg,) int64, windowed in-place decodes: their block tables start at the window's first
+    # block and context_lens count keys from there; this many leading keys are outside the
+    # window. None: no window.
+    window_skip: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What a step's metadata is built from, kept to derive its windowed variants."""
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    device: torch.device
+    split_chunks: bool
+    in_place_decode: bool
+    # Each sequence's prompt length (length-dependent RoPE); None: each step's sequences are
+    # whole prompts (a one-shot prefill).
+    prompt_lens: list[int] | None = None
 
 
 @dataclass
@@ -54,6 +75,35 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     # True when the groups' row ranges tile the step in order: outputs concatenate.
     groups_in_order: bool
+    layout: StepLayout | None = None
+    _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """This step for layers whose queries see only the last `window` positions (theirs
+        included), as transformers' sliding-window mask: key k is seen by query q iff
+        q - window < k <= q. Built once per step and window; K/V blocks outside every window
+        stay allocated (freeing them is left for later)."""
+        cached = self._windowed.get(window)
+        if cached is None:
+            layout = self.layout
+            if layout is None:
+                raise ValueError("a windowed layout needs metadata made by build_metadata")
+            if max(layout.context_lens, default=0) <= window:
+                cached = self  # no sequence is longer than the window: it hides nothing
+            else:
+                cached = _build(layout, window)
+            self._windowed[window] = cached
+        return cached
+
+    def rope_lens(self, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) int64: each token's sequence length when transformers computes it (the prompt's
+        for a prompt token, its own position + 1 for a generated one)."""
+        layout = self.layout
+        if layout is None:
+            raise ValueError("RoPE lengths need metadata made by build_metadata")
+        prompt_lens = layout.prompt_lens or layout.context_lens
+        per_token = np.repeat(np.array(prompt_lens, dtype=np.int64), layout.query_lens)
+        return torch.maximum(torch.from_numpy(per_token).to(positions.device), positions + 1)
 
 
 def build_metadata(
@@ -65,6 +115,7 @@ def build_metadata(
     *,
     split_chunks: bool = False,
     in_place_decode: bool = False,
+    prompt_lens: list[int] | None = None,
 ) -> AttentionMetadata:
     """Slot mapping, padded block tables and attention masks for one step."""
     # in_place_decode: all decodes form one group for `decode_kernel.paged_decode`, which reads
@@ -73,6 +124,29 @@ def build_metadata(
     # attended with SDPA's causal mask; the others (continued prompts, prefix-cache hits) keep
     # the explicit mask.
     # Off by default: one padded group for all chunks, as callers that lay out rows expect.
+    # prompt_lens: each sequence's prompt length, for RoPE whose rotation depends on it.
+    layout = StepLayout(
+        query_lens,
+        context_lens,
+        block_tables,
+        block_size,
+        device,
+        split_chunks,
+        in_place_decode,
+        prompt_lens,
+    )
+    return _build(layout, window=0)
+
+
+def _build(layout: StepLayout, window: int) -> AttentionMetadata:
+    """The metadata of a step; window > 0: for layers attending only that many positions."""
+    query_lens, context_lens, block_tables = (
+        layout.query_lens,
+        layout.context_lens,
+        layout.block_tables,
+    )
+    block_size, device = layout.block_size, layout.device
+    in_place_decode = layout.in_place_decode
     row_starts = [0, *itertools.accumulate(query_lens)]
     slots: list[int] = []
     for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
@@ -89,7 +163,9 @@ def build_metadata(
         else _buckets(decodes, [-(-n // block_size) for n in context_lens], GROUP_COST_BLOCK_ROWS)
     )
     if chunks:
-        fresh = [i for i in chunks if query_lens[i] == context_lens[i]] if split_chunks else []
+        fresh = (
+            [i for i in chunks if query_lens[i] == context_lens[i]] if layout.split_chunks else []
+        )
         rest = [i for i in chunks if i not in fresh]
         members += _buckets(fresh, [n * n for n in query_lens], GROUP_COST_SQUARED_QUERIES)
         members += [rest] if rest else []
@@ -103,6 +179,7 @@ def build_metadata(
             block_size,
             device,
             in_place=in_place_decode and query_lens[m[0]] == 1,
+            window=window,
         )
         for m in members
     ]
@@ -110,6 +187,7 @@ def build_metadata(
         slot_mapping=_int_tensor(slots, device),
         groups=groups,
         groups_in_order=_tile_in_order(groups),
+        layout=layout,
     )
 
 
@@ -165,10 +243,20 @@ def _group(
     device: torch.device,
     *,
     in_place: bool = False,
+    window: int = 0,
 ) -> AttentionGroup:
     g_q = [query_lens[i] for i in members]
     g_ctx = [context_lens[i] for i in members]
+    g_tables = [block_tables[i] for i in members]
     max_q = max(g_q)
+    # A window that hides some key needs an explicit mask (SDPA's causal one cannot say it).
+    windowed = window > 0 and max(g_ctx) > window
+    skip = None
+    if in_place and windowed:  # read from each window's first block on: skip the rest
+        first = [max(0, n - window) // block_size for n in g_ctx]
+        g_tables = [table[f:] for table, f in zip(g_tables, first, strict=True)]
+        skip = [max(0, n - window) - f * block_size for n, f in zip(g_ctx, first, strict=True)]
+        g_ctx = [n - f * block_size for n, f in zip(g_ctx, first, strict=True)]
     num_blocks = -(-max(g_ctx) // block_size)
     first_row, num_rows = row_starts[members[0]], sum(g_q)
     # Contiguous when each member's rows start where the previous member's end.
@@ -181,10 +269,10 @@ def _group(
             [slot * max_q + j for slot, n in enumerate(g_q) for j in range(n)], device
         )
     padding = [0] * num_blocks
-    table_tensor = _int_tensor([(block_tables[i] + padding)[:num_blocks] for i in members], device)
+    table_tensor = _int_tensor([(table + padding)[:num_blocks] for table in g_tables], device)
     mask = bias = None
-    if (max_q == 1 and not in_place) or (max_q > 1 and g_q != g_ctx):
-        mask = _mask(g_q, g_ctx, max_q, num_blocks * block_size).to(device)
+    if (max_q == 1 and not in_place) or (max_q > 1 and (g_q != g_ctx or windowed)):
+        mask = _mask(g_q, g_ctx, max_q, num_blocks * block_size, window).to(device)
         bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
     return AttentionGroup(
         token_rows=(
@@ -203,6 +291,7 @@ def _group(
         num_seqs=len(members),
         max_query_len=max_q,
         context_lens=_int_tensor(g_ctx, device) if in_place else None,
+        window_skip=None if skip is None else _int_tensor(skip, device),
     )
 
 
@@ -212,15 +301,24 @@ def _int_tensor(values: list[int] | list[list[int]], device: torch.device) -> to
     return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
-def _mask(g_q: list[int], g_ctx: list[int], max_q: int, num_keys: int) -> torch.Tensor:
-    """(Bg, 1, max_q, K) bool: query j of a chunk sees keys up to its position."""
+def _mask(
+    g_q: list[int], g_ctx: list[int], max_q: int, num_keys: int, window: int = 0
+) -> torch.Tensor:
+    """(Bg, 1, max_q, K) bool: query j of a chunk sees keys up to its position (and, with a
+    window, none `window` or more positions before it)."""
     q_len, ctx_len = torch.tensor(g_q), torch.tensor(g_ctx)
     key_pos = torch.arange(num_keys)  # (K,)
     if max_q == 1:
-        return (key_pos[None, :] < ctx_len[:, None])[:, None, None, :]  # (Bg, 1, 1, K)
+        mask = key_pos[None, :] < ctx_len[:, None]  # (Bg, K)
+        if window:
+            mask &= key_pos[None, :] >= (ctx_len - window)[:, None]
+        return mask[:, None, None, :]  # (Bg, 1, 1, K)
     # Query j of a sequence sits at absolute position ctx_len - q_len + j and sees keys <= it.
     query_pos = (ctx_len - q_len)[:, None] + torch.arange(max_q)[None, :]  # (Bg, max_q)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # (Bg, max_q, K)
+    if window:
+        mask &= key_pos[None, None, :] > query_pos[:, :, None] - window
     # Padding query rows would attend nothing and give NaN; let them see key 0 (output dropped).
-    mask[:, :, 0] = True
+    # Only those: a real row's window may exclude key 0.
+    mask[:, :, 0] |= torch.arange(max_q)[None, :] >= q_len[:, None]
     return mask[:, None]

@@ -6,6 +6,9 @@ are most of a decode step's attention. Here two small numba kernels read each ke
 once, straight from the pool, over each sequence's own length (no padding to the longest):
 scores = q.K over the sequence's blocks, softmax in torch, then the weighted sum of V. They are
 compiled on first use and cached on disk. Float32 only; other dtypes and CUDA use the gather path.
+A sliding window is given by the caller as a block table that starts at the window's first block
+and a count of that block's leading slots to skip: their scores are set to -inf before the softmax
+(weight 0), so the kernels themselves stay those of full attention.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ def paged_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its cached context.
 
     q (B, Hkv, G, D): the G query heads sharing each KV head; caches (Hkv, num_blocks,
-    block_size, D); block_tables (B, max_blocks) int64; context_lens (B,) int64, each >= 1.
+    block_size, D); block_tables (B, max_blocks) int64; context_lens (B,) int64, each >= 1: the
+    keys read from the table; skip (B,) int64: leading keys of those not attended (a window).
     Returns (B, Hkv, G, D).
     """
     qk, pv = _kernels()
@@ -50,6 +56,8 @@ def paged_decode(
     out = torch.empty(b, num_kv_heads, group, head_dim)
     k_np, v_np, scores_np, out_np = k_cache.numpy(), v_cache.numpy(), scores.numpy(), out.numpy()
     _split(lambda lo, hi: qk(q_np, k_np, tables, lens, scores_np, lo, hi), b)
+    if skip is not None:
+        scores.masked_fill_(torch.arange(max_keys) < skip[:, None, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).numpy()
     _split(lambda lo, hi: pv(probs, v_np, tables, lens, out_np, lo, hi), b)
     return out

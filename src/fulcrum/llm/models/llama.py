@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral): RoPE, RMSNorm, grouped-query attention, SwiGLU.
+"""Llama-family decoder (Llama, Qwen2, Mistral): RoPE (with its scalings), RMSNorm, grouped-query
+attention (with sliding windows), SwiGLU.
 
 Module names follow Hugging Face's, so a checkpoint's state dict loads by name.
 """
@@ -14,8 +15,7 @@ from torch.nn import functional as F
 
 from fulcrum.errors import ConfigError
 from fulcrum.llm.models.attention import AttentionMetadata, paged_attention
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, D) each
+from fulcrum.llm.models.rope import RopeConfig, RopeTables, RotaryEmbedding, apply_rope
 
 
 @dataclass(frozen=True)
@@ -31,35 +31,84 @@ class LlamaConfig:
     head_dim: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeConfig
     attention_bias: bool
     tie_word_embeddings: bool
+    # Per layer: its sliding attention window in tokens, 0 for full attention.
+    layer_windows: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> LlamaConfig:
-        scaling = raw.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ConfigError(f"config.json: key 'rope_scaling' = {scaling!r}: not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json: key 'hidden_act' = {raw['hidden_act']!r}: need silu")
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        params = raw.get("rope_parameters") or {}
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        num_layers = int(raw["num_hidden_layers"])
         return cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", params.get("rope_theta", 10000.0))),
+            rope=RopeConfig.from_hf(raw, head_dim),
             # Qwen2 always has q/k/v biases; Llama says so with `attention_bias`.
             attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            layer_windows=layer_windows(raw, num_layers),
         )
+
+
+def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers applies the config:
+    Mistral windows every layer by `sliding_window`; Qwen2 only with `use_sliding_window`, the
+    layers `layer_types` names (default: those from `max_window_layers` on); Llama never."""
+    model_type = raw.get("model_type")
+    window = raw.get("sliding_window")
+    if model_type == "qwen2" and not raw.get("use_sliding_window"):
+        window = None  # transformers' Qwen2Config drops the window unless it is switched on
+    if model_type == "qwen2":
+        types = _qwen2_layer_types(raw, num_layers)
+    elif model_type == "mistral":
+        types = ["sliding_attention"] * num_layers  # Mistral ignores layer_types
+    else:
+        return (0,) * num_layers
+    if window is None:
+        if "sliding_attention" in types and model_type == "qwen2":
+            raise ConfigError(
+                "config.json: key 'layer_types' names sliding_attention layers but "
+                f"'use_sliding_window' = {raw.get('use_sliding_window')!r} leaves no window"
+            )
+        return (0,) * num_layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"config.json: key 'sliding_window' = {window!r}: expected an int >= 1")
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+
+
+def _qwen2_layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
+    types = raw.get("layer_types")
+    if types is None:
+        first = int(raw.get("max_window_layers", 28))
+        on = bool(raw.get("use_sliding_window")) and raw.get("sliding_window") is not None
+        return [
+            "sliding_attention" if on and i >= first else "full_attention"
+            for i in range(num_layers)
+        ]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ConfigError(
+            f"config.json: key 'layer_types' = {types!r}: expected {num_layers} entries"
+        )
+    for kind in types:
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(
+                f"config.json: key 'layer_types' has {kind!r}: expected sliding_attention or "
+                "full_attention"
+            )
+    return types
 
 
 class RMSNorm(nn.Module):
@@ -75,39 +124,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with cos/sin tables precomputed for every position."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / theta ** (
-            torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        )
-        freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]  # (P, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
-        self.cos: torch.Tensor
-        self.sin: torch.Tensor
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos and sin (T, 1, D) of each token's position; looked up once per step."""
-        cos = self.cos[positions].to(dtype)[:, None, :]
-        sin = self.sin[positions].to(dtype)[:, None, :]
-        return cos, sin
-
-
-def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-    """x (T, H, D) rotated by each token's position."""
-    cos, sin = tables
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, window: int) -> None:
         super().__init__()
+        self.window = window  # sliding attention window in tokens; 0: full attention
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -129,7 +149,8 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.head_dim**-0.5)  # (T, H, D)
+        layout = meta.windowed(self.window) if self.window else meta
+        out = paged_attention(q, k, v, kv[0], kv[1], layout, self.head_dim**-0.5)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, -1))  # type: ignore[no-any-return]
 
 
@@ -145,10 +166,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, window: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -167,8 +188,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(cfg.rope, max(cfg.rope.max_model_len, 1))
+        windows = cfg.layer_windows or (0,) * cfg.num_hidden_layers
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, w) for w in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -183,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.max_model_len = cfg.max_position_embeddings
+        # RoPE scaling extends the context (linear, dynamic, YaRN: by `factor`, as vLLM does).
+        self.max_model_len = cfg.rope.max_model_len
         self.vocab_size = cfg.vocab_size
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -198,13 +221,19 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, C)
-        rope = self.model.rotary_emb.tables(positions, x.dtype)  # shared by every layer
+        rotary = self.model.rotary_emb
+        rope_lens = meta.rope_lens(positions) if rotary.config.length_dependent else None
+        rope = rotary.tables(positions, rope_lens, x.dtype)  # shared by every layer
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)
         return self.model.norm(x)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # type: ignore[no-any-return]
+
+    def prefix_cache_key(self, num_prompt_tokens: int) -> str | None:
+        """Salt for the prefix cache of a sequence whose K/V depend on its prompt's length."""
+        return self.config.rope.prefix_key(num_prompt_tokens)
 
     def checkpoint_name(self, name: str) -> str:
         """Our parameter name for a checkpoint's (identical for this family)."""
