@@ -113,9 +113,10 @@ async def plan_generation(
             return GenerationPlan(cache, key, outcome.generation, len(token_ids), semantic=True)
         slot = slot if outcome.index else None
     cache.stats.misses += 1
-    # Stored under its exact key even when the exact tier may not answer it (a sampled request
-    # with `semantic_sampled`, or `exact = false`): the semantic index points there.
-    key = key or llm_key(identity, tenant, token_ids, sampling, salt=salt)
+    if key is None and slot is not None:
+        # Stored under its exact key even though the exact tier may not answer it (a sampled
+        # request with `semantic_sampled`, or `exact = false`): the semantic index points there.
+        key = llm_key(identity, tenant, token_ids, sampling, salt=salt)
     return GenerationPlan(cache, key, None, len(token_ids), slot=slot)
 
 
