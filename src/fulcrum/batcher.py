@@ -120,6 +120,10 @@ class DynamicBatcher:
         now = self._clock.now()
         request = QueuedRequest(num_rows, key, now, inputs, future, origin_s=now - max(0.0, age_s))
         self._queue.admit(request, priority=priority, timeout_s=timeout_s)
+        retry_after_s = self._policy.on_arrival(self._queue, request, now)
+        if retry_after_s is not None:
+            self._queue.take((request,))
+            raise _shed_error(retry_after_s)
         if self._listening or request.deadline_s is not None:
             self._wakeup.set()
         try:
@@ -308,9 +312,7 @@ class DynamicBatcher:
 
     def _shed(self, plan: Plan) -> None:
         if plan.shed:
-            drain_s = plan.retry_after_s
-            why = f"it cannot finish within its deadline (queue drains in {drain_s:.3f} s)"
-            _fail(cast("list[QueuedRequest]", plan.shed), Shed(why, retry_after_s=drain_s))
+            _fail(cast("list[QueuedRequest]", plan.shed), _shed_error(plan.retry_after_s))
 
     def _fail_queued(self, error: FulcrumError) -> None:
         _fail(cast("list[QueuedRequest]", self._queue.drain()), error)
@@ -326,6 +328,11 @@ class DynamicBatcher:
                 self._on_batch(record)
         except Exception:
             _logger.exception("batcher %s: observe or on_batch failed", self._config.name)
+
+
+def _shed_error(drain_s: float) -> Shed:
+    why = f"it cannot finish within its deadline (queue drains in {drain_s:.3f} s)"
+    return Shed(why, retry_after_s=drain_s)
 
 
 def _fail(requests: Sequence[QueuedRequest], error: FulcrumError) -> None:

@@ -96,11 +96,16 @@ class PendingQueue:
         self._num_live = [0] * self.num_levels
         self._num_total = 0
         self.num_rows = 0  # rows of live items
+        self._level_rows = [0] * self.num_levels
         self._deadlines: list[_Entry] = []  # min-heap, lazily pruned
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return self._num_total
+
+    def rows_through(self, level: int) -> int:
+        """Rows waiting at this priority level and every higher one (what runs before it)."""
+        return sum(self._level_rows[:level])
 
     def depth(self, level: int) -> int:
         """Live items waiting at one priority level."""
@@ -161,6 +166,7 @@ class PendingQueue:
         self._num_live[level - 1] += 1
         self._num_total += 1
         self.num_rows += item.num_rows
+        self._level_rows[level - 1] += item.num_rows
 
     def live(self) -> Iterator[Pending]:
         """Live items in service order: per level (1 first), on-time items, then DELAY-expired."""
@@ -190,6 +196,7 @@ class PendingQueue:
                 num_live[item.level - 1] -= 1
                 self._num_total -= 1
                 self.num_rows -= item.num_rows
+                self._level_rows[item.level - 1] -= item.num_rows
         self._trim()
         self._prune_deadlines()
 
@@ -256,6 +263,7 @@ class PendingQueue:
         self._num_live[item.level - 1] -= 1
         self._num_total -= 1
         self.num_rows -= item.num_rows
+        self._level_rows[item.level - 1] -= item.num_rows
 
     def _prune_deadlines(self) -> None:
         # Entries of items that left the queue hold their payloads: drop them from the top (with

@@ -99,6 +99,9 @@ class BatchPolicy(Protocol):
     def observe_overhead(self, seconds: float) -> None:
         """One answered request's time in the server outside the queue and its batch."""
 
+    def on_arrival(self, queue: PendingQueue, item: Pending, now: float) -> float | None:
+        """Just admitted: None to keep it, else refuse it at once (503) with this Retry-After."""
+
     def state(self) -> dict[str, object]:
         """The policy's current state for the statistics API and metrics (JSON-ready)."""
 
@@ -149,6 +152,10 @@ class TritonPolicy:
 
     def observe_overhead(self, seconds: float) -> None:
         """Static rules plan no deadlines: the time outside the batch changes nothing."""
+
+    def on_arrival(self, queue: PendingQueue, item: Pending, now: float) -> float | None:
+        """Static rules refuse only at the queue bound (the queue itself does that)."""
+        return None
 
     def state(self) -> dict[str, object]:
         fit = self.model.fit()

@@ -99,6 +99,17 @@ class AdaptivePolicy:
         self.derived.observe(record)
         self._refresh()
 
+    def on_arrival(self, queue: PendingQueue, item: Pending, now: float) -> float | None:
+        """Refuse at once a request predicted to miss its deadline behind the rows ahead of it
+        (its level and higher ones) and the running batches: the fast 503 an overload needs,
+        rather than a wait that ends in one. Retry-After is the whole queue's drain time."""
+        if not self.model.trusted or item.timeout_action == "delay":
+            return None
+        if now + self.drain_s(queue.rows_through(item.level), now) <= item.due_s:
+            return None
+        self.num_shed += 1
+        return self.drain_s(queue.num_rows - item.num_rows, now)  # the queue without it
+
     def observe_overhead(self, seconds: float) -> None:
         """One answered request's time in the server outside the queue and its batch."""
         self.overhead.add(seconds)

@@ -46,6 +46,9 @@ class BrokenPolicy:
             raise RuntimeError("policy bug at /srv/secret/path")
         return Plan()
 
+    def on_arrival(self, queue: PendingQueue, item: object, now: float) -> float | None:
+        return None
+
 
 def x(value: float) -> TensorMap:
     return {"x": np.full((1, 1), value, np.float32)}

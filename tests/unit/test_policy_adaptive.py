@@ -342,3 +342,49 @@ def test_a_load_override_gets_its_profile_filled_in_too() -> None:
     batching = apply_override(base, override).dynamic_batching
     assert batching is not None
     assert (batching.policy, batching.slo_batch_fraction) == ("adaptive", 0.5)
+
+
+def test_an_arrival_that_cannot_make_its_deadline_is_refused_at_once() -> None:
+    # 32-row batches take 18 ms; SLO 50 ms. 100 rows ahead need four batches (~60 ms): a new
+    # request is refused on arrival instead of waiting to be shed at the head of the queue.
+    config = make_config()
+    queue, policy = PendingQueue(config), AdaptivePolicy(config)
+    warm(policy)
+    for _ in range(3):
+        queue.admit(Pending(1, "k", 0.0), priority=None, timeout_s=None)
+    early = Pending(1, "k", 0.0)
+    queue.admit(early, priority=None, timeout_s=None)
+    assert policy.on_arrival(queue, early, 0.0) is None  # 4 rows: one short batch, in time
+    for _ in range(96):
+        queue.admit(Pending(1, "k", 0.0), priority=None, timeout_s=None)
+    late = Pending(1, "k", 0.0)
+    queue.admit(late, priority=None, timeout_s=None)
+    retry_after_s = policy.on_arrival(queue, late, 0.0)
+    assert retry_after_s == pytest.approx(policy.drain_s(100, 0.0))  # the queue without it
+    assert policy.state()["shed_deadline"] == 1
+
+
+def test_arrival_shedding_counts_only_the_rows_that_run_before_the_request() -> None:
+    config = make_config(priority_levels=2, default_priority_level=2)
+    queue, policy = PendingQueue(config), AdaptivePolicy(config)
+    warm(policy)
+    for _ in range(120):  # low priority: a long queue
+        queue.admit(Pending(1, "k", 0.0), priority=2, timeout_s=None)
+    urgent = Pending(1, "k", 0.0)
+    queue.admit(urgent, priority=1, timeout_s=None)
+    assert queue.rows_through(1) == 1 and queue.rows_through(2) == 121
+    assert policy.on_arrival(queue, urgent, 0.0) is None  # it runs first: no reason to refuse
+    low = Pending(1, "k", 0.0)
+    queue.admit(low, priority=2, timeout_s=None)
+    assert policy.on_arrival(queue, low, 0.0) is not None
+
+
+def test_arrival_shedding_waits_for_a_trusted_fit_and_spares_delayed_levels() -> None:
+    config = make_config(default_queue_policy=QueuePolicy(timeout_action="delay"))
+    queue, policy = PendingQueue(config), AdaptivePolicy(config)
+    items = [Pending(1, "k", 0.0) for _ in range(200)]
+    for item in items:
+        queue.admit(item, priority=None, timeout_s=None)
+    assert policy.on_arrival(queue, items[-1], 0.0) is None  # nothing measured yet
+    warm(policy)
+    assert policy.on_arrival(queue, items[-1], 0.0) is None  # it would run late, as configured
