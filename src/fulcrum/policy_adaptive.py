@@ -20,6 +20,14 @@ from fulcrum.pending import DELAYED, Pending, PendingQueue
 from fulcrum.policy import BatchRecord, Plan
 from fulcrum.queue_bound import DerivedBound, OverheadReserve
 
+# The arrival check's margin on the predicted drain: a request admitted on arrival but shed
+# later at the head shows the prediction was optimistic (gaps between batches, a busy loop), so
+# each such shed raises the margin; every batch lowers it again, down to 1 (the prediction as
+# is). Under steady overload it settles where late sheds are rare: refusals then come at once.
+MARGIN_UP = 1.05  # per late shed
+MARGIN_DOWN = 0.99  # per batch
+MAX_MARGIN = 3.0
+
 
 class AdaptivePolicy:
     """EDF batching under a latency SLO, fitted online; `plan` runs once per batch, not per item."""
@@ -38,6 +46,7 @@ class AdaptivePolicy:
         self.derived = DerivedBound(self.num_instances, self.slo_s)
         self.overhead = OverheadReserve(self.slo_s)
         self.num_shed = 0
+        self.arrival_margin = 1.0
         self.last_predicted_s = self.last_observed_s = 0.0
         self._busy_until: list[float] = []  # predicted ends of running batches (min-heap)
 
@@ -90,6 +99,7 @@ class AdaptivePolicy:
             heapq.heappop(self._busy_until)
         if record.failed:  # a failure's time says nothing about the model's speed
             return
+        self.arrival_margin = max(1.0, self.arrival_margin * MARGIN_DOWN)
         # Predicted before this batch taught the model anything: the error it really made.
         self.last_predicted_s = self.model.predict(record.batch_size)
         self.last_observed_s = record.compute_s
@@ -105,7 +115,8 @@ class AdaptivePolicy:
         rather than a wait that ends in one. Retry-After is the whole queue's drain time."""
         if not self.model.trusted or item.timeout_action == "delay":
             return None
-        if now + self.drain_s(queue.rows_through(item.level), now) <= item.due_s:
+        drain_s = self.drain_s(queue.rows_through(item.level), now)
+        if now + self.arrival_margin * drain_s <= item.due_s:
             return None
         self.num_shed += 1
         return self.drain_s(queue.num_rows - item.num_rows, now)  # the queue without it
@@ -137,6 +148,7 @@ class AdaptivePolicy:
             "queue_bound": self.queue_bound,
             "overhead_reserve_ms": self.overhead.reserve_s * 1000,
             "shed_deadline": self.num_shed,
+            "arrival_margin": self.arrival_margin,
         }
 
     def _shed_hopeless(self, queue: PendingQueue, now: float) -> tuple[Pending, ...]:
@@ -156,6 +168,7 @@ class AdaptivePolicy:
         if shed:
             queue.take(shed)
             self.num_shed += len(shed)
+            self.arrival_margin = min(MAX_MARGIN, self.arrival_margin * MARGIN_UP ** len(shed))
         return shed
 
     def _fill(

@@ -388,3 +388,27 @@ def test_arrival_shedding_waits_for_a_trusted_fit_and_spares_delayed_levels() ->
     assert policy.on_arrival(queue, items[-1], 0.0) is None  # nothing measured yet
     warm(policy)
     assert policy.on_arrival(queue, items[-1], 0.0) is None  # it would run late, as configured
+
+
+def test_late_sheds_make_the_arrival_check_stricter_and_batches_relax_it() -> None:
+    config = make_config(default_queue_policy=QueuePolicy(max_queue_size=1000))
+    queue, policy = PendingQueue(config), AdaptivePolicy(config)
+    warm(policy)
+    assert policy.arrival_margin == 1.0
+    # Admitted with room to spare, then the clock jumps: hopeless at the head, shed late.
+    for _ in range(5):
+        queue.admit(Pending(1, "k", 0.0), priority=None, timeout_s=None)
+    plan = policy.plan(queue, 0.049)
+    assert len(plan.shed) == 5
+    assert policy.arrival_margin == pytest.approx(1.05**5)
+    # A queue that passes at margin 1 is now refused on arrival: 70 rows drain in ~41 ms, within
+    # the 50 ms SLO, but not with the margin (~52 ms).
+    for _ in range(69):
+        queue.admit(Pending(1, "k", 0.010), priority=None, timeout_s=None)
+    newcomer = Pending(1, "k", 0.010)
+    queue.admit(newcomer, priority=None, timeout_s=None)
+    assert policy.drain_s(70, 0.010) < 0.050 < 1.05**5 * policy.drain_s(70, 0.010)
+    assert policy.on_arrival(queue, newcomer, 0.010) is not None
+    for _ in range(100):  # batches that run relax it back to the plain prediction
+        policy.observe(record(8, linear(8)))
+    assert policy.arrival_margin == 1.0
