@@ -11,7 +11,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from fulcrum.errors import InvalidInput
+from fulcrum.errors import InvalidInput, ModelError
 from fulcrum.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,6 +29,7 @@ from fulcrum.protocol.openai_fields import (
     refuse_unimplemented,
     refuse_unimplemented_json,
 )
+from fulcrum.server.http import error_body
 
 
 class Narrow(msgspec.Struct, kw_only=True):
@@ -180,3 +181,10 @@ def test_a_message_name_reaches_the_template_messages() -> None:
         {"role": "user", "content": "hi", "name": "alice"},
         {"role": "user", "content": "yo"},
     ]
+
+
+def test_server_errors_under_v1_have_openais_server_error_type() -> None:
+    body = error_body("/v1/chat/completions", ModelError("generation failed: RuntimeError"))
+    assert body == {"error": {"message": "generation failed: RuntimeError",
+                              "type": "server_error", "param": None, "code": 500}}  # fmt: skip
+    assert error_body("/v2/models/m/infer", ModelError("boom")) == {"error": "boom"}

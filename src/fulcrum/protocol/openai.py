@@ -8,16 +8,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from fulcrum.errors import FulcrumError, InvalidInput
+from fulcrum.errors import InvalidInput
 from fulcrum.protocol.openai_fields import refuse_unimplemented_json
 
 _T = TypeVar("_T")
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    503: "service_unavailable_error",
-}
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -217,12 +211,6 @@ def envelope(request_id: str, obj: str, model: str, choices: list[Any]) -> dict[
         "model": model,
         "choices": choices,
     }
-
-
-def error_json(exc: FulcrumError) -> dict[str, Any]:
-    """OpenAI's error body: message, type and code (the HTTP status); never a stack trace."""
-    kind = _ERROR_TYPES.get(exc.status_code, "internal_error")
-    return {"error": {"message": exc.message, "type": kind, "code": exc.status_code}}
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):

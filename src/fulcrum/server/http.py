@@ -46,7 +46,7 @@ def error_body(path: str, exc: FulcrumError) -> dict[str, Any]:
     """The error body for `path`: OpenAI's shape under /v1/, KServe v2's elsewhere; never a
     stack trace."""
     if path.startswith(OPENAI_PREFIX) or path in OPENAI_PATHS:
-        kind = _OPENAI_ERROR_TYPES.get(exc.status_code, "internal_error")
+        kind = _OPENAI_ERROR_TYPES.get(exc.status_code, "server_error")  # OpenAI's type for 5xx
         param = getattr(exc, "param", None)  # OpenAI's body always carries it, null or a field
         return {
             "error": {"message": exc.message, "type": kind, "param": param, "code": exc.status_code}
