@@ -15,7 +15,6 @@ from fulcrum.llm.engine import AsyncLLMEngine
 from fulcrum.llm.examples import build_tiny_gpt2
 from fulcrum.server.app import create_app
 from fulcrum.service import Service
-from fulcrum.service_llm import LLMServable
 
 TINY_CONFIG = """platform = "llm"
 [parameters]
@@ -33,13 +32,6 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_tiny_gpt2(directory, name="tiny")
     (directory / "tiny" / "config.toml").write_text(TINY_CONFIG)
     return directory
-
-
-@pytest.fixture
-def engine(service: Service) -> AsyncLLMEngine:
-    servable = service._repository.get("tiny")[2]
-    assert isinstance(servable, LLMServable)
-    return servable.engine
 
 
 @pytest.fixture
