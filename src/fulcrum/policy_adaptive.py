@@ -48,7 +48,10 @@ class AdaptivePolicy:
         self.num_shed = 0
         self.arrival_margin = 1.0
         self.last_predicted_s = self.last_observed_s = 0.0
+        self.num_probes = 0
         self._busy_until: list[float] = []  # predicted ends of running batches (min-heap)
+        self._last_start_s: float | None = None  # when the last batch was sent (None: never)
+        self._shed_since_start = 0
 
     @property
     def queue_bound(self) -> int:
@@ -62,7 +65,9 @@ class AdaptivePolicy:
         # Newly admitted requests are due early enough for the time they will still spend
         # outside the batch (waking the caller, encoding) to fit within the SLO.
         queue.slo_s = self.slo_s - self.overhead.reserve_s
-        shed = self._shed_hopeless(queue, now)
+        if self._last_start_s is None:
+            self._last_start_s = now
+        shed = self._shed_hopeless(queue, now, probe=self._starved(now))
         retry_after_s = self.drain_s(queue.num_rows, now) if shed else 0.0
         head = next(queue.live(), None)
         if head is None:
@@ -86,6 +91,8 @@ class AdaptivePolicy:
                     reject=rejected, shed=shed, retry_after_s=retry_after_s, wake_at_s=wake_at_s
                 )
         queue.take(items)
+        self._last_start_s = now
+        self._shed_since_start = 0
         predicted_s = self.model.predict(num_rows)
         busy = self._busy_until
         heapq.heappush(busy, now + predicted_s)
@@ -119,6 +126,7 @@ class AdaptivePolicy:
         if now + self.arrival_margin * drain_s <= item.due_s:
             return None
         self.num_shed += 1
+        self._shed_since_start += 1
         return self.drain_s(queue.num_rows - item.num_rows, now)  # the queue without it
 
     def observe_overhead(self, seconds: float) -> None:
@@ -132,6 +140,12 @@ class AdaptivePolicy:
         work_s = sum(max(0.0, end_s - now) for end_s in self._busy_until)
         work_s += full * self.model.predict(limit) + (self.model.predict(rest) if rest else 0.0)
         return work_s / self.num_instances
+
+    def estimate_finish_s(self, num_queued_rows: int, num_rows: int, now: float) -> float:
+        """The queue's and the running batches' drain, then its own batch and the time a
+        request spends outside the batch."""
+        own_s = self.model.predict(num_rows) + self.overhead.reserve_s
+        return self.drain_s(num_queued_rows, now) + own_s
 
     def state(self) -> dict[str, object]:
         fit = self.model.fit()
@@ -149,9 +163,21 @@ class AdaptivePolicy:
             "overhead_reserve_ms": self.overhead.reserve_s * 1000,
             "shed_deadline": self.num_shed,
             "arrival_margin": self.arrival_margin,
+            "probes": self.num_probes,
         }
 
-    def _shed_hopeless(self, queue: PendingQueue, now: float) -> tuple[Pending, ...]:
+    def _starved(self, now: float) -> bool:
+        # Only a batch that runs can correct a fit that is too pessimistic (a slow warm-up, a
+        # burst of contention): if it predicts every head late, everything is shed, nothing runs
+        # and the fit never learns otherwise. So when every instance has been idle for a whole
+        # SLO while requests were shed, the head runs as a probe unless it is already late.
+        last_s = self._last_start_s
+        idle_s = now - last_s if last_s is not None else 0.0
+        return not self._busy_until and self._shed_since_start > 0 and idle_s > self.slo_s
+
+    def _shed_hopeless(
+        self, queue: PendingQueue, now: float, *, probe: bool
+    ) -> tuple[Pending, ...]:
         # Only heads can be hopeless first: EDF puts the earliest deadline in front, and one
         # that fits leaves the rest (later deadlines) to later plans. Collect, then act: acting
         # reorders the heap under the iterator.
@@ -159,6 +185,10 @@ class AdaptivePolicy:
         for level in range(1, queue.num_levels + 1):
             for item in queue.level_items(level):
                 if item.state == DELAYED or now + self.model.predict(item.num_rows) <= item.due_s:
+                    break
+                if probe and now < item.due_s:
+                    self.num_probes += 1
+                    probe = False
                     break
                 hopeless.append(item)
         shed = tuple(item for item in hopeless if item.timeout_action != "delay")
@@ -168,6 +198,7 @@ class AdaptivePolicy:
         if shed:
             queue.take(shed)
             self.num_shed += len(shed)
+            self._shed_since_start += len(shed)
             self.arrival_margin = min(MAX_MARGIN, self.arrival_margin * MARGIN_UP ** len(shed))
         return shed
 

@@ -184,6 +184,46 @@ def test_hopeless_request_is_shed_at_once_with_the_predicted_drain_as_retry_afte
     assert policy.num_shed == 1
 
 
+def test_a_fit_too_pessimistic_to_run_anything_is_corrected_by_probe_batches() -> None:
+    # The fit learnt 25x the real speed (a cold start, a burst of contention): even one row is
+    # predicted past the 50 ms SLO, so every head would be shed, nothing would run and nothing
+    # would correct the fit. After an SLO of shedding with the instance idle, the head runs.
+    sim = Sim(make_config())
+    warm(sim.policy, lambda rows, now: 25 * linear(rows))
+    assert sim.policy.model.predict(1) > 0.050
+    sim.run(poisson(300, 0.0, 2.0))
+    assert sim.policy.num_probes >= 1
+    assert sim.policy.model.predict(1) == pytest.approx(linear(1), rel=0.25)
+    served_late = [item for item, _ in sim.finished if item.enqueue_s >= 0.5]
+    shed_late = [item for item, _, _ in sim.shed if item.enqueue_s >= 0.5]
+    assert len(shed_late) < 0.02 * len(served_late)  # recovered: serving, not shedding
+
+
+def test_a_hopeless_head_is_still_shed_while_batches_keep_running() -> None:
+    # A probe is for a starved fit only: with batches starting, a request that cannot make its
+    # deadline is shed, never run late in place of requests that can.
+    config = make_config()
+    queue, policy = PendingQueue(config), AdaptivePolicy(config)
+    warm(policy)
+    queue.admit(Pending(1, "k", 0.0), priority=None, timeout_s=None)
+    assert len(policy.plan(queue, 0.0).run) == 1
+    policy.observe(record(1, linear(1)))
+    hopeless = Pending(1, "k", 1.0)
+    queue.admit(hopeless, priority=None, timeout_s=0.001)
+    assert policy.plan(queue, 1.0).shed == (hopeless,)  # idle long, but nothing shed before
+    queue.admit(Pending(1, "k", 1.0), priority=None, timeout_s=None)
+    assert len(policy.plan(queue, 1.0).run) == 1
+    policy.observe(record(1, linear(1)))
+    again = Pending(1, "k", 1.02)
+    queue.admit(again, priority=None, timeout_s=0.001)
+    assert policy.plan(queue, 1.02).shed == (again,)  # a batch started 20 ms ago
+    assert policy.num_probes == 0
+    late = Pending(1, "k", 1.2)
+    queue.admit(late, priority=None, timeout_s=0.001)
+    assert policy.plan(queue, 1.2).run == (late,)  # shed since, idle an SLO since: a probe
+    assert policy.num_probes == 1
+
+
 def test_retry_after_counts_the_batches_still_running() -> None:
     config = make_config()
     queue, policy = PendingQueue(config), AdaptivePolicy(config)
