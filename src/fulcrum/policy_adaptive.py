@@ -169,11 +169,12 @@ class AdaptivePolicy:
     def _starved(self, now: float) -> bool:
         # Only a batch that runs can correct a fit that is too pessimistic (a slow warm-up, a
         # burst of contention): if it predicts every head late, everything is shed, nothing runs
-        # and the fit never learns otherwise. So when every instance has been idle for a whole
-        # SLO while requests were shed, the head runs as a probe unless it is already late.
+        # and the fit never learns otherwise. So when no batch has started for a whole SLO while
+        # requests were shed, the head runs as a probe unless it is already late. (The batcher
+        # plans only when an instance is free, so the probe never waits behind a batch.)
         last_s = self._last_start_s
         idle_s = now - last_s if last_s is not None else 0.0
-        return not self._busy_until and self._shed_since_start > 0 and idle_s > self.slo_s
+        return self._shed_since_start > 0 and idle_s > self.slo_s
 
     def _shed_hopeless(
         self, queue: PendingQueue, now: float, *, probe: bool
