@@ -61,6 +61,11 @@ class LLMServable:
     def is_ready(self) -> bool:
         return bool(self.engine.is_healthy)
 
+    @property
+    def num_admitted(self) -> int:
+        """Requests admitted and not finished: while any runs, the model is not unloaded."""
+        return self.engine.num_streams
+
     async def stop(self) -> None:
         await self.engine.stop()
 
@@ -99,6 +104,11 @@ class LLMCall:
     def decode_token(self, token_id: int) -> str:
         """One token's text (never raises: a top alternative may be a padding id)."""
         return self.engine.decode_token(token_id)
+
+    @property
+    def tool_call_parser(self) -> str:
+        """The model's tool-call parser name ("" for none): how tool_choice "auto" reads it."""
+        return self.engine.engine.params.tool_call_parser
 
 
 def _check_prompt_size(texts: list[str], engine: AsyncLLMEngine, max_bytes: int) -> None:

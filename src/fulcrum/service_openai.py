@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from fulcrum.errors import InvalidInput
 from fulcrum.llm.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from fulcrum.protocol.openai import ChatCompletionRequest, CompletionRequest
+from fulcrum.protocol.openai_structured import structured_request
 
 if TYPE_CHECKING:
     from fulcrum.llm.outputs import RequestOutput
@@ -83,6 +84,7 @@ def sampling_params(request: _Request, max_tokens: int) -> SamplingParams:
     """SamplingParams for a request (OpenAI defaults: temperature 1, top_p 1), validated."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     allowed = request.allowed_token_ids
+    structured = structured_request(request)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -107,9 +109,24 @@ def sampling_params(request: _Request, max_tokens: int) -> SamplingParams:
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
         skip_special_tokens=request.skip_special_tokens is not False,
         spaces_between_special_tokens=request.spaces_between_special_tokens is not False,
+        structured=None if structured is None else structured.spec,
     )
     params.validate()
     return params
+
+
+async def prepare_structured(
+    call: LLMCall, request: _Request, sampling: SamplingParams, field: str | None = None
+) -> None:
+    """Compile the request's structured-output grammar off the event loop before admission
+    (InvalidInput naming `field`, by default the request field it came from, for an invalid
+    one); a no-op without one."""
+    if sampling.structured is None:
+        return
+    if field is None:
+        found = structured_request(request)
+        field = "structured" if found is None else found.field  # None: set by tool calling
+    await call.engine.prepare_structured(sampling.structured, field)
 
 
 def _or(value: float | None, default: float) -> float:

@@ -98,12 +98,10 @@ async def _prompt_tokens(client: openai.AsyncOpenAI, model: str, **kwargs: Any) 
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"extra_body": {"structural_tag": {"type": "structural_tag"}}}, "structural_tag"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
         ({"reasoning_effort": "low"}, "reasoning_effort"),
-        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
-        ({"extra_body": {"structured_outputs": {"regex": "a+"}}}, "structured_outputs"),
         ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"extra_body": {"mm_processor_kwargs": {"size": 3}}}, "mm_processor_kwargs"),
     ],
@@ -123,15 +121,17 @@ async def test_a_known_unimplemented_completion_field_is_a_400_naming_it(
 ) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await client.completions.create(model="tiny", prompt="Hi", **GREEDY,
-                                        extra_body={"guided_regex": "[a-z]+"})  # fmt: skip
-    assert caught.value.param == "guided_regex"
+                                        extra_body={"structural_tag": "{}"})  # fmt: skip
+    assert caught.value.param == "structural_tag"
 
 
 async def test_a_message_field_that_would_be_dropped_is_a_400(client: openai.AsyncOpenAI) -> None:
-    called: list[Any] = [{"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    # The deprecated function_call (tool_calls replaced it, and those are rendered).
+    called: list[Any] = [{"role": "assistant", "content": "",
+                          "function_call": {"name": "f", "arguments": "{}"}}]  # fmt: skip
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(model="tiny", messages=called, **GREEDY)
-    assert caught.value.param == "messages[0].tool_call_id"
+    assert caught.value.param == "messages[0].function_call"
 
 
 async def test_a_message_name_is_accepted(client: openai.AsyncOpenAI) -> None:
@@ -337,9 +337,11 @@ def _no_generation_prompt() -> Any:
 
 
 async def test_tokenize_errors_name_their_field(http: httpx.AsyncClient) -> None:
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    refused = await http.post("/tokenize", json={"model": "tiny", "messages": USER, "tools": tools})
-    assert _openai_error(refused, 400)["param"] == "tools"
+    kwargs = {"size": 3}
+    refused = await http.post(
+        "/tokenize", json={"model": "tiny", "messages": USER, "mm_processor_kwargs": kwargs}
+    )
+    assert _openai_error(refused, 400)["param"] == "mm_processor_kwargs"
     both = await http.post("/tokenize", json={"model": "tiny", "prompt": "a", "messages": USER})
     assert _openai_error(both, 400)["param"] == "prompt"
     outside = await http.post("/detokenize", json={"model": "tiny", "tokens": [10**6]})

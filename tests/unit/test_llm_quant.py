@@ -149,7 +149,7 @@ def test_a_weights_file_that_contradicts_the_quantization_key_is_refused(
     [
         ({"model_file": "../other/model.safetensors"}, "model_file"),
         ({"model_file": "model.bin"}, "model_file"),
-        ({"quantization": "int4"}, "quantization"),
+        ({"quantization": "int3"}, "quantization"),
         ({"num_threads": -1}, "num_threads"),
     ],
 )

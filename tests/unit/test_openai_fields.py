@@ -138,9 +138,9 @@ def test_the_json_probe_agrees_with_the_dict_check() -> None:
 
 def test_decoding_a_request_refuses_unimplemented_fields() -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                         ("response_format", {"type": "json_object"}),
-                         ("guided_json", {"type": "object"}),
+    for field, value in [("functions", [{"name": "f"}]),
+                         ("structural_tag", {"type": "structural_tag"}),
+                         ("use_beam_search", True),
                          ("reasoning_effort", "low")]:  # fmt: skip
         with pytest.raises(InvalidInput) as caught:
             decode_request(json.dumps({**chat, field: value}).encode(), ChatCompletionRequest)
@@ -163,8 +163,8 @@ def test_a_message_field_the_message_struct_leaves_out_is_refused_with_its_path(
         system = {"role": "system", "content": "Be brief."}
         return json.dumps({"model": "m", "messages": [system, message]}).encode()
 
-    for field, value in [("tool_calls", [{"id": "c1", "type": "function"}]),
-                         ("tool_call_id", "c1")]:  # fmt: skip
+    for field, value in [("function_call", {"name": "f", "arguments": "{}"}),
+                         ("audio", {"id": "a1"})]:  # fmt: skip
         with pytest.raises(InvalidInput) as caught:
             decode_request(body({"role": "user", "content": "hi", field: value}),
                            ChatCompletionRequest)  # fmt: skip

@@ -159,6 +159,18 @@ class BlockManager:
             self._cached[block.hash] = block.block_id
         self._num_committed[seq.seq_id] = max(start, num_full)
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past seq's computed tokens (slots of rejected draft tokens). They were
+        allocated this step and never committed, so none is shared or in the prefix cache."""
+        num_keep = self._num_blocks_for(seq.num_computed_tokens)
+        for block_id in seq.block_table[num_keep:]:
+            block = self._blocks[block_id]
+            if block.ref_count != 1 or block.hash is not None:
+                raise FulcrumError(f"block {block_id} past the computed tokens is shared or cached")
+            block.ref_count = 0
+            self._free_uncached.append(block_id)
+        del seq.block_table[num_keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; unreferenced cached blocks stay reusable until evicted."""
         # Tail blocks first, so they are evicted before the prefixes they depend on.

@@ -1,10 +1,11 @@
 """Chat messages -> prompt text: the checkpoint's Jinja chat template (compiled once per model at
 load) or a request's own, rendered as transformers' apply_chat_template does with vLLM's controls
-(add_generation_prompt, continue_final_message, chat_template_kwargs, documents); a plain
+(add_generation_prompt, continue_final_message, chat_template_kwargs, documents, tools); a plain
 role-tagged default when there is no template or no jinja2."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ class ChatOptions:
     chat_template: str | None = None  # the request's own template (trusted models only)
     chat_template_kwargs: Mapping[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    # Function tools as transformers passes them: [{"type": "function", "function": {...}}]
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:
@@ -64,7 +67,11 @@ class ChatOptions:
     def extra_texts(self) -> list[str]:
         """What the template may print besides the messages (documents, kwargs), so prompt size
         bounds and the off-loop decision count it too."""
-        values = [*(self.documents or ()), *(self.chat_template_kwargs or {}).values()]
+        values = [
+            *(self.documents or ()),
+            *(self.chat_template_kwargs or {}).values(),
+            *(self.tools or ()),
+        ]
         return [v if isinstance(v, str) else str(v) for v in values]
 
     def template_kwargs(self) -> dict[str, Any]:
@@ -119,18 +126,24 @@ class ChatTemplate:
         """Whether the template used for `options` writes its own special tokens (BOS...)."""
         return not (self.is_default and options.request_template is None)
 
-    def render(self, messages: list[dict[str, str]], options: ChatOptions = DEFAULT_OPTIONS) -> str:
-        """The prompt for `messages` ({"role", "content"} dicts)."""
+    def render(self, messages: list[dict[str, Any]], options: ChatOptions = DEFAULT_OPTIONS) -> str:
+        """The prompt for `messages` ({"role", "content"} dicts; an assistant's `tool_calls`,
+        a tool message's `tool_call_id`)."""
         source, compiled, budget_s = self._template_for(options)
         if compiled is None or source is None:
             return _render_default(messages, options)
+        if options.tools and "tools" not in source:  # the model would never see them
+            raise InvalidInput(
+                "tools: the chat template does not render tools; use a tool-aware template",
+                param="tools",
+            )
         context: dict[str, Any] = {
             **self._special_tokens,
             **options.template_kwargs(),
             "messages": messages,
             "add_generation_prompt": options.add_generation_prompt,
             "documents": options.documents,
-            "tools": None,  # transformers passes it even when there are none
+            "tools": options.tools,  # transformers passes it (None) even when there are none
         }
         if not options.continue_final_message:
             return _render(compiled, context, budget_s)
@@ -198,8 +211,16 @@ def _render_continued(
     return rendered[:at].rstrip()  # the template trimmed the spacing after the message
 
 
-def _render_default(messages: list[dict[str, str]], options: ChatOptions) -> str:
+def _render_default(messages: list[dict[str, Any]], options: ChatOptions) -> str:
     lines = [f"{m['role']}: {m['content']}" for m in messages]
+    # Tools and calls as JSON lines: the default drops nothing a request sent.
+    if options.tools:
+        lines.insert(0, f"tools: {json.dumps(options.tools, ensure_ascii=False)}")
+    for i, m in enumerate(messages):
+        if m.get("tool_calls"):
+            lines[i + bool(options.tools)] += (
+                f" tool_calls: {json.dumps(m['tool_calls'], ensure_ascii=False)}"
+            )
     if options.add_generation_prompt:
         lines.append("assistant:")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fulcrum.errors import FulcrumError, InvalidInput, ModelError, QueueFull, Unavailable
-from fulcrum.llm.chat import DEFAULT_OPTIONS, ChatOptions
+from fulcrum.llm.async_text import AsyncTextFront
 from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.outputs import RequestOutput
 from fulcrum.llm.params import EngineParams
@@ -47,7 +47,7 @@ class _Add:
     arrival_s: float
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(AsyncTextFront):
     """One model's engine for the server: `generate` streams RequestOutputs."""
 
     def __init__(
@@ -116,37 +116,13 @@ class AsyncLLMEngine:
         return self._restarts.num_restarts
 
     @property
+    def num_streams(self) -> int:
+        """Requests admitted whose output streams are still open."""
+        return len(self._streams)
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text prompt (the tokenizer's special tokens added unless told not)."""
-        return self.engine.encode(text, add_special_tokens=add_special_tokens)
-
-    def encode_chat(
-        self, messages: list[dict[str, str]], options: ChatOptions = DEFAULT_OPTIONS
-    ) -> list[int]:
-        """Token ids of chat messages: the template renders the special tokens, so the
-        tokenizer adds none (no double BOS), as transformers' apply_chat_template does."""
-        return self.engine.encode_chat(messages, options)
-
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], options: ChatOptions = DEFAULT_OPTIONS
-    ) -> str:
-        """The prompt text for chat messages (the checkpoint's template, or a default)."""
-        return self.engine.apply_chat_template(messages, options)
-
-    def decode(self, token_ids: list[int]) -> str:
-        """The text of token ids, special tokens kept (InvalidInput for ids outside the vocab)."""
-        return self.engine.decode(token_ids)
-
-    def token_strings(self, token_ids: list[int]) -> list[str]:
-        """The vocabulary entry of each id."""
-        return self.engine.token_strings(token_ids)
-
-    def decode_token(self, token_id: int) -> str:
-        """One token's text, special tokens kept; "" for a padding id past the tokenizer's."""
-        return str(self.engine.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def abort(self, request_id: str) -> None:
         """Abort an admitted request whose stream will never be read; unknown ids are ignored."""

@@ -1,6 +1,7 @@
 """Load a Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json and the
 tokenizer/generation configs (eos ids, chat template). Safetensors only: pickle is never read.
-A `fulcrum quantize` file (`model.int8.safetensors`) is read only when `model_file` names it."""
+A `fulcrum quantize` file (`model.int8.safetensors`, `model.int4.safetensors`) is read only when
+`model_file` names it; AWQ / GPTQ int4 checkpoints are read by `quant_formats`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from fulcrum.errors import ConfigError
-from fulcrum.llm import quant
+from fulcrum.llm import quant, quant_formats
 from fulcrum.llm.models import CausalLM, build_model
 
 # Non-parameter tensors some checkpoints carry (causal-mask and RoPE buffers); recomputed here.
@@ -65,12 +66,17 @@ def load_checkpoint(
     module = build_model(raw_config)
     model: CausalLM = module  # type: ignore[assignment]
     files, found = weight_files(directory, model_file)
+    external = quant_formats.external_format(raw_config)  # AWQ / GPTQ int4, else None
+    found = quant.INT4 if external is not None else found
     if quantization not in ("auto", found):
         raise ConfigError(
             f"key 'parameters.quantization' = {quantization!r}: {files[0].name} holds {found!r} "
             f"weights (its {quant.QUANT_KEY!r} metadata); check key 'parameters.model_file'"
         )
-    _load_weights(module, model, files, quantized=found != quant.NONE)
+    if external is not None:
+        quant_formats.load_external(module, model, files, external)
+    else:
+        _load_weights(module, model, files, quantized=found != quant.NONE)
     module.to(dtype=DTYPES[dtype], device=torch.device(device)).eval()
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
@@ -126,10 +132,8 @@ def _load_weights(
 ) -> None:
     from safetensors import safe_open
 
-    if quantized:  # int8 layers first, so their buffers are there to be filled by name
-        with safe_open(str(files[0]), framework="pt") as handle:
-            layers = quant.scaled_layers(list(handle.keys()))
-        quant.replace_linears(module, layers, quantize=False)
+    if quantized:  # quantized layers first, so their buffers are there to be filled by name
+        quant.install_shells(module, files[0])
     params = quant.loadable_tensors(module)
     loaded: set[str] = set()
     with torch.no_grad():

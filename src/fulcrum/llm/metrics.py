@@ -68,6 +68,17 @@ class _Families:
         self.step_predicted = gauge("step_time_predicted_seconds",
                                     "Step-time model's prediction of the last step.")  # fmt: skip
         self.step_observed = gauge("step_time_observed_seconds", "The last step's time.")
+        # Speculative decoding (vLLM's spec_decode_* names); only engines that speculate count.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Sequence-steps verifying drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.")  # fmt: skip
+        self.spec_acceptance_rate = gauge(
+            "spec_decode_acceptance_rate", "Accepted / proposed draft tokens, cumulative."
+        )
+        self.spec_mean_acceptance_length = gauge(
+            "spec_decode_mean_acceptance_length", "Tokens per verifying step (accepted + 1)."
+        )
         self.shed = Counter(PREFIX + "requests_shed", "Requests refused with 503 by reason.",
                             [*_LABELS, "reason"], registry=registry)  # fmt: skip
         self.success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
@@ -83,7 +94,9 @@ class _Families:
         return (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.running, self.waiting,
                 self.kv_usage, self.preemptions, self.prefix_queries, self.prefix_hits,
                 self.prompt_tokens, self.generation_tokens, self.restarts, self.token_budget,
-                self.running_limit, self.step_predicted, self.step_observed)  # fmt: skip
+                self.running_limit, self.step_predicted, self.step_observed, self.spec_drafts,
+                self.spec_draft_tokens, self.spec_accepted_tokens, self.spec_acceptance_rate,
+                self.spec_mean_acceptance_length)  # fmt: skip
 
 
 _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -129,6 +142,11 @@ class LLMMetrics:
         self.running_limit = f.running_limit.labels(*labels)
         self.step_predicted_s = f.step_predicted.labels(*labels)
         self.step_observed_s = f.step_observed.labels(*labels)
+        self.spec_drafts = f.spec_drafts.labels(*labels)
+        self.spec_draft_tokens = f.spec_draft_tokens.labels(*labels)
+        self.spec_accepted_tokens = f.spec_accepted_tokens.labels(*labels)
+        self.spec_acceptance_rate = f.spec_acceptance_rate.labels(*labels)
+        self.spec_mean_acceptance_length = f.spec_mean_acceptance_length.labels(*labels)
 
     def request_finished(self, finish_reason: str) -> None:
         """Count one finished request (stop, length, abort or error)."""

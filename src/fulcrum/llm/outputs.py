@@ -66,8 +66,9 @@ class RequestState:
             if metrics is not None:
                 metrics.queue_s.observe(now_s - self.arrival_s)
 
-    def on_token(self, now_s: float, metrics: LLMMetrics | None) -> None:
-        """Record a new output token's time (TTFT or inter-token latency)."""
+    def on_token(self, now_s: float, metrics: LLMMetrics | None, num_tokens: int = 1) -> None:
+        """Record a step's new output tokens (several: accepted drafts) and their time (TTFT or
+        inter-token latency)."""
         if self.first_token_s is None:
             self.first_token_s = now_s
             if metrics is not None:
@@ -76,7 +77,7 @@ class RequestState:
             metrics.itl_s.observe(now_s - self.last_token_s)
         self.last_token_s = now_s
         if metrics is not None:
-            metrics.generation_tokens.inc()
+            metrics.generation_tokens.inc(num_tokens)
 
     def on_finished(self, now_s: float, metrics: LLMMetrics | None, reason: str) -> None:
         """Record end-to-end latency and time per output token."""

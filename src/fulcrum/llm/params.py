@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum.errors import ConfigError
+from fulcrum.llm.speculative import SpeculativeConfig
+from fulcrum.llm.tool_parsers import PARSER_NAMES
 
 _DTYPES = ("float32", "float16", "bfloat16")
-_QUANTIZATIONS = ("auto", "none", "int8")  # "auto": what the weights file's metadata says
+_QUANTIZATIONS = ("auto", "none", "int8", "int4")  # "auto": what the weights file's metadata says
 _SLO_TTFT_ACTIONS = ("shed", "queue")  # a request predicted to miss slo_ttft_ms: 503 or admit
 
 
@@ -37,7 +39,7 @@ class EngineParams:
     max_model_len: int = 0  # 0: the model's own limit
     drain_timeout_s: float = 10.0  # stop(): how long in-flight requests may finish
     model_file: str = ""  # "": every float *.safetensors; a variant names model.int8.safetensors
-    quantization: str = "auto"  # "none" / "int8": refuse a weights file that holds otherwise
+    quantization: str = "auto"  # "none" / "int8" / "int4": refuse a file that holds otherwise
     num_threads: int = 0  # torch intra-op threads of this engine's thread; 0: torch's default
     # SLOs (0: none). With either set the token budget and running limit adapt to the load
     # (fulcrum.llm.budget) between min_num_batched_tokens and max_num_batched_tokens.
@@ -48,6 +50,11 @@ class EngineParams:
     # A chat request may bring its own Jinja template (vLLM's --trust-request-chat-template);
     # off by default: a template is code, even sandboxed and bounded.
     trust_request_chat_template: bool = False
+    # How tool_choice "auto" reads this model's calls (vLLM's --tool-call-parser names: hermes,
+    # llama3_json, mistral, pythonic); "": none, and "auto" is a 400 (fulcrum.llm.tool_parsers).
+    tool_call_parser: str = ""
+    # Speculative decoding without a draft model (fulcrum.llm.speculative); None: off.
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, Any]) -> EngineParams:
@@ -59,6 +66,9 @@ class EngineParams:
                 raise ConfigError(
                     f"key 'parameters.{key}': unknown; expected one of {sorted(known)}"
                 )
+            if key == "speculative":  # a table of its own
+                values[key] = SpeculativeConfig.from_table(value)
+                continue
             values[key] = _coerce(key, value, type(getattr(cls, key)))
         params = cls(**values)
         params.validate()
@@ -88,6 +98,11 @@ class EngineParams:
             )
         self._validate_weights()
         self._validate_slo()
+        if self.tool_call_parser and self.tool_call_parser not in PARSER_NAMES:
+            raise ConfigError(
+                f"key 'parameters.tool_call_parser' = {self.tool_call_parser!r}: expected one "
+                f"of {list(PARSER_NAMES)}"
+            )
 
     @property
     def has_slo(self) -> bool:

@@ -1,12 +1,11 @@
-"""Int8 weight-only linear layers for the LLM engine and the safetensors files that hold them:
-per-output-channel symmetric int8 weights with one float scale per row. Attention and MLP
-projections are quantized; embeddings, norms and biases stay float. A quantized file is whole (it
-replaces model.safetensors), stores tensors under the engine's own module names and layout, and
-says so in its metadata (`QUANT_KEY`)."""
+"""Weight-only quantized linear layers for the LLM engine and the safetensors files that hold
+them: int8 here (per-output-channel symmetric, one float scale per row), int4 in `quant_int4`.
+Attention and MLP projections are quantized; embeddings, norms and biases stay float. A quantized
+file is whole (it replaces model.safetensors), stores tensors under the engine's own module names
+and layout, and says so in its metadata (`QUANT_KEY`)."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -14,13 +13,17 @@ from torch import nn
 from torch.nn import functional as F
 
 from fulcrum.errors import ConfigError
+from fulcrum.llm.cpu_bf16 import cpu_has_bf16
+from fulcrum.llm.quant_int4 import DEFAULT_GROUP_SIZE, Int4Linear
 
 QUANT_KEY = "fulcrum.quantization"  # safetensors metadata: absent on float checkpoints
 SOURCE_KEY = "fulcrum.quantized_from"
 INT8 = "int8"
+INT4 = "int4"
 NONE = "none"
-QUANTIZATIONS = (NONE, INT8)
+QUANTIZATIONS = (NONE, INT8, INT4)
 SCALE_SUFFIX = ".weight_scale"
+INT4_SUFFIXES = (".qweight", ".scales", ".zeros")  # an int4 layer's tensors in a file
 # Rows up to which the fused int8 kernel runs (decode steps); above it a prefill dequantizes once.
 FUSED_MAX_ROWS = 32
 _QMAX = 127  # symmetric: -128 is never used, so negating a weight never overflows
@@ -88,12 +91,6 @@ class Int8Linear(nn.Module):
         return out.reshape(*lead, self.out_features)
 
 
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """True where oneDNN runs bfloat16 natively (AVX512-BF16, AMX)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 and cpu_has_bf16() else dtype
 
@@ -112,45 +109,105 @@ def quantizable_linears(module: nn.Module, *, include_lm_head: bool = False) -> 
     return names
 
 
-def replace_linears(module: nn.Module, names: list[str], *, quantize: bool) -> None:
-    """Swap the named `nn.Linear`s for `Int8Linear`s: quantized from their weights, or empty
-    shells that a quantized checkpoint then fills."""
+def replace_linears(
+    module: nn.Module,
+    names: list[str],
+    *,
+    quantize: bool,
+    precision: str = INT8,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    symmetric: bool = False,
+) -> None:
+    """Swap the named `nn.Linear`s for `Int8Linear`s or `Int4Linear`s (`group_size` input
+    columns a group, `symmetric` or not): quantized from their weights, or empty shells that a
+    quantized checkpoint then fills."""
     for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        linear = getattr(parent, attr, None)
-        if not isinstance(linear, nn.Linear):
-            raise ConfigError(f"quantized weights name {name!r}, which is not a linear layer")
-        if quantize:
-            setattr(parent, attr, Int8Linear.from_linear(linear))
+        linear = linear_layer(module, name)
+        if precision == INT4 and quantize:
+            new: nn.Module = Int4Linear.from_linear(linear, group_size, symmetric=symmetric)
+        elif precision == INT4:
+            has_bias = linear.bias is not None
+            new = Int4Linear(linear.in_features, linear.out_features, has_bias, group_size)
+        elif quantize:
+            new = Int8Linear.from_linear(linear)
         else:
-            shell = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None)
-            setattr(parent, attr, shell)
+            new = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None)
+        set_layer(module, name, new)
+
+
+def linear_layer(module: nn.Module, name: str) -> nn.Linear:
+    """The float linear layer `name`; ConfigError when there is none."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    linear = getattr(parent, attr, None)
+    if not isinstance(linear, nn.Linear):
+        raise ConfigError(f"quantized weights name {name!r}, which is not a linear layer")
+    return linear
+
+
+def set_layer(module: nn.Module, name: str, layer: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(parent_name) if parent_name else module, attr, layer)
+
+
+def install_shells(module: nn.Module, path: Path) -> None:
+    """Empty quantized layers for every layer a quantized file holds, sized from the file (an
+    int4 layer's group size is its padded width over its number of scales)."""
+    from safetensors import safe_open
+
+    precision = file_quantization(path)
+    with safe_open(str(path), framework="pt") as handle:
+        keys = list(handle.keys())
+        if precision == INT8:
+            replace_linears(module, scaled_layers(keys), quantize=False)
+            return
+        for name in [k.removesuffix(".scales") for k in keys if k.endswith(".scales")]:
+            num_groups = handle.get_slice(f"{name}.scales").get_shape()[1]
+            padded = 2 * handle.get_slice(f"{name}.qweight").get_shape()[1]
+            group_size = padded // max(1, num_groups)
+            replace_linears(module, [name], quantize=False, precision=INT4, group_size=group_size)
 
 
 def loadable_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint fills, by name: parameters (a tied one once) and int8 layers' buffers."""
+    """What a checkpoint fills, by name: parameters (a tied one once) and quantized layers'
+    buffers (an int4 layer's in the canonical layout)."""
     tensors: dict[str, torch.Tensor] = dict(module.named_parameters())
     for name, child in module.named_modules():
         if isinstance(child, Int8Linear):
             tensors[f"{name}.weight"] = child.weight
             tensors[f"{name}{SCALE_SUFFIX}"] = child.weight_scale
+        elif isinstance(child, Int4Linear):
+            weights = child.weights()
+            tensors[f"{name}.qweight"] = weights.qweight
+            tensors[f"{name}.scales"] = weights.scales
+            tensors[f"{name}.zeros"] = weights.zeros
     return tensors
 
 
+def module_quantization(module: nn.Module) -> str:
+    """ "int8" or "int4" when the module holds such layers, else "none"."""
+    for child in module.modules():
+        if isinstance(child, Int8Linear):
+            return INT8
+        if isinstance(child, Int4Linear):
+            return INT4
+    return NONE
+
+
 def save_quantized(module: nn.Module, path: Path, *, source: str) -> None:
-    """Write a quantized model's tensors to `path` (atomic), marked int8 in the metadata."""
+    """Write a quantized model's tensors to `path` (atomic), its precision in the metadata."""
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in loadable_tensors(module).items()}
     partial = path.with_name(f".{path.name}.partial")
-    metadata = {"format": "pt", QUANT_KEY: INT8, SOURCE_KEY: source}
+    metadata = {"format": "pt", QUANT_KEY: module_quantization(module), SOURCE_KEY: source}
     save_file(tensors, str(partial), metadata=metadata)
     partial.replace(path)
 
 
 def file_quantization(path: Path) -> str:
-    """What a safetensors file holds: "none" (float) or "int8"; ConfigError for another mark."""
+    """What a safetensors file holds: "none" (float), "int8" or "int4"; ConfigError for another
+    mark."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:

@@ -14,15 +14,20 @@ from fulcrum.llm.logprobs import token_logprobs
 from fulcrum.llm.models import CausalLM, decode_kernel
 from fulcrum.llm.models.attention import build_metadata, kv_cache_shape
 from fulcrum.llm.sampler import SampledToken, Sampler
+from fulcrum.llm.spec_verify import verify_drafts
 
 if TYPE_CHECKING:
+    from fulcrum.llm.models.attention import AttentionMetadata
+    from fulcrum.llm.sampling_params import SamplingParams
     from fulcrum.llm.scheduler import ScheduledBatch
     from fulcrum.llm.sequence import Sequence
+    from fulcrum.llm.structured import GrammarMasks, PendingMasks, StructuredOutputs
 
 # Prompt positions scored per slice for prompt_logprobs: bounds the (rows, vocabulary) logits.
 PROMPT_LOGPROBS_ROWS = 256
-# Per sequence of a step: its sampled token, None (mid-prefill), or the error of its own row.
-Sampled = int | ModelError | None
+# Per sequence of a step: its sampled token, the tokens kept after verifying its drafts, None
+# (mid-prefill), or the error of its own row.
+Sampled = int | list[int] | ModelError | None
 
 
 def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -66,6 +71,8 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.sampler = Sampler(device)
+        # The matchers of structured requests; set by the engine, which owns the tokenizer.
+        self.structured: StructuredOutputs | None = None
         # Decodes read the KV pool in place on the CPU (float32); elsewhere gather + SDPA.
         self.in_place_decode = decode_kernel.supported(self.kv_caches[0][0])
         if self.in_place_decode:
@@ -91,11 +98,12 @@ class ModelRunner:
             end = start + num_new
             if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 scored.append((seq, len(input_ids), num_new))
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(_query_tokens(seq, start, end))
             positions.extend(range(start, end))
             context_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            num_drafts = len(seq.spec_token_ids)
+            if end == seq.num_tokens + num_drafts:  # the row of its last token
+                sample_rows.append(len(input_ids) - num_drafts - 1)
                 sampling.append(index)
         meta = build_metadata(
             query_lens,
@@ -110,16 +118,19 @@ class ModelRunner:
         # Via numpy: torch.tensor converts a Python list element by element, about 4x slower.
         ids = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device)
         pos = torch.from_numpy(np.array(positions, dtype=np.int64)).to(self.device)
-        hidden = self.model(ids, pos, meta, self.kv_caches)  # (T, C)
+        verifying = _split_verifying(batch, sampling, sample_rows)
+        pending = self._start_masks([batch.seqs[i] for i in sorted(sampling)])
+        hidden = self._forward(ids, pos, meta, pending)  # (T, C)
         for seq, first_row, num_new in scored:
             self._score_prompt(seq, hidden, first_row, num_new)
         sampled: list[Sampled] = [None] * len(batch.seqs)
+        self._verify(hidden, batch, verifying, sampled)
         if not sampling:
             return sampled
         # Sample in batch order, so unseeded requests draw from the shared generator as before.
         pairs = sorted(zip(sampling, sample_rows, strict=True))
         logits = self.model.compute_logits(hidden[[row for _, row in pairs]])  # (S, V)
-        tokens = self._sample(logits, [batch.seqs[i] for i, _ in pairs])
+        tokens = self._sample_structured(logits, [batch.seqs[i] for i, _ in pairs], pending)
         for (index, _), token in zip(pairs, tokens, strict=True):
             if isinstance(token, SampledToken):
                 if token.logprob is not None:
@@ -128,6 +139,29 @@ class ModelRunner:
             else:
                 sampled[index] = token
         return sampled
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        batch: ScheduledBatch,
+        verifying: list[tuple[int, int]],
+        sampled: list[Sampled],
+    ) -> None:
+        """The tokens each drafting sequence keeps (fulcrum.llm.spec_verify), into sampled."""
+        if not verifying:
+            return
+        spans = [(i, first, len(batch.seqs[i].spec_token_ids) + 1) for i, first in verifying]
+        rows = [row for _, first, n in spans for row in range(first, first + n)]
+        logits = self.model.compute_logits(hidden[rows])  # (sum of k + 1, V)
+        offset = 0
+        for index, _, n in spans:
+            try:
+                sampled[index] = verify_drafts(
+                    logits[offset : offset + n], batch.seqs[index], self.sampler
+                )
+            except Exception as exc:  # this row alone, as a failed draw
+                sampled[index] = ModelError(f"verifying drafts failed for this request: {exc}")
+            offset += n
 
     def _score_prompt(
         self, seq: Sequence, hidden: torch.Tensor, first_row: int, num_new: int
@@ -146,37 +180,119 @@ class ModelRunner:
             found = token_logprobs(self.model.compute_logits(rows), targets, [num_top] * len(rows))
             seq.prompt_logprobs[first + 1 : last + 1] = found
 
+    def _start_masks(self, seqs: list[Sequence]) -> PendingMasks | None:
+        return None if self.structured is None else self.structured.start_fill(seqs)
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        meta: AttentionMetadata,
+        pending: PendingMasks | None,
+    ) -> torch.Tensor:
+        """The model's hidden states (T, C); the grammar masks fill on their worker thread
+        meanwhile (llguidance and torch both release the GIL) and are joined here, even when
+        the forward fails, so no fill outlives its step."""
+        try:
+            hidden: torch.Tensor = self.model(ids, pos, meta, self.kv_caches)
+        finally:
+            if pending is not None:
+                pending.wait()
+        return hidden
+
+    def _sample_structured(
+        self, logits: torch.Tensor, seqs: list[Sequence], pending: PendingMasks | None
+    ) -> list[SampledToken | ModelError]:
+        """_sample with the grammar masks, then each structured row's matcher advanced."""
+        if pending is None or self.structured is None:
+            return self._sample(logits, seqs)
+        tokens = self._sample(logits, seqs, pending.result())
+        return self.structured.accept(seqs, tokens)
+
+    def track(self, seq: Sequence) -> None:
+        """Give a new structured sequence its matcher (InvalidInput if its grammar fails)."""
+        if self.structured is not None:
+            self.structured.add(seq)
+
+    def grammar_complete(self, seq_id: int) -> bool:
+        """True once a structured sequence's grammar is complete (it takes no more tokens)."""
+        return self.structured is not None and self.structured.is_complete(seq_id)
+
     def release(self, seq_id: int) -> None:
         """Drop per-request sampler state of a finished or aborted sequence."""
         self.sampler.release(seq_id)
+        if self.structured is not None:
+            self.structured.release(seq_id)
 
     def reset(self) -> None:
         """Forget every request's sampler state (after a crash); the KV pool is reused as is:
         a fresh block manager never reads a block before writing it."""
         self.sampler = Sampler(self.device)
+        if self.structured is not None:
+            self.structured.reset()
 
     def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence]
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None
     ) -> list[SampledToken | ModelError]:
         """logits (S, V) -> a token per row; if the batch fails, each row is drawn alone so only
         the rows that fail on their own get an error (with nothing of another row in it)."""
         params = [seq.sampling for seq in seqs]
         seq_ids = [seq.seq_id for seq in seqs]
         try:
-            return list(self.sampler.sample_tokens(logits, params, seq_ids, list(seqs)))
+            return self._draw(logits, params, seq_ids, list(seqs), masks)
         except Exception:  # a bad row (NaN logits, say) fails the batched draw; isolate it
             pass
         out: list[SampledToken | ModelError] = []
         for row, seq in enumerate(seqs):
+            row_masks = None if masks is None else masks.select(row)
             try:
                 out.extend(
-                    self.sampler.sample_tokens(
-                        logits[row : row + 1], [seq.sampling], [seq.seq_id], [seq]
+                    self._draw(
+                        logits[row : row + 1], [seq.sampling], [seq.seq_id], [seq], row_masks
                     )
                 )
             except Exception as exc:
                 out.append(ModelError(f"sampling failed for this request: {exc}"))
         return out
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seq_ids: list[int],
+        seqs: list[Sequence],
+        masks: GrammarMasks | None,
+    ) -> list[SampledToken | ModelError]:
+        # Without masks the sampler is called as before they existed (a sampler may predate them).
+        if masks is None:
+            return list(self.sampler.sample_tokens(logits, params, seq_ids, list(seqs)))
+        return list(self.sampler.sample_tokens(logits, params, seq_ids, list(seqs), masks))
+
+
+def _split_verifying(
+    batch: ScheduledBatch, sampling: list[int], sample_rows: list[int]
+) -> list[tuple[int, int]]:
+    """Move the sequences with drafts out of (sampling, sample_rows), in place; returned as
+    (index into batch.seqs, row of the last token): they are verified, not sampled."""
+    verifying = [
+        (i, row)
+        for i, row in zip(sampling, sample_rows, strict=True)
+        if batch.seqs[i].spec_token_ids
+    ]
+    if verifying:
+        kept = [(i, row) for i, row in zip(sampling, sample_rows, strict=True)
+                if not batch.seqs[i].spec_token_ids]  # fmt: skip
+        sampling[:] = [i for i, _ in kept]
+        sample_rows[:] = [row for _, row in kept]
+    return verifying
+
+
+def _query_tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """The tokens seq computes this step: with drafts, its last token and the drafts after it
+    (scored like a prefill chunk over its KV), else token_ids[start:end]."""
+    if seq.spec_token_ids:
+        return [*seq.token_ids[start:], *seq.spec_token_ids]
+    return seq.token_ids[start:end]
 
 
 def _step_order(batch: ScheduledBatch) -> list[int]:

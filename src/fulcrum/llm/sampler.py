@@ -11,10 +11,12 @@ import torch
 
 from fulcrum.llm.logits_processors import apply_min_p, apply_processors, needs_processing
 from fulcrum.llm.logprobs import TokenLogprob, token_logprobs
+from fulcrum.llm.structured import apply_grammar, keep_grammar_tokens
 
 if TYPE_CHECKING:
     from fulcrum.llm.logits_processors import TokenHistory
     from fulcrum.llm.sampling_params import SamplingParams
+    from fulcrum.llm.structured import GrammarMasks
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +94,21 @@ class Sampler:
         params: list[SamplingParams],
         seq_ids: list[int],
         histories: list[TokenHistory] | None = None,
+        masks: GrammarMasks | None = None,
     ) -> list[SampledToken]:
-        """logits (B, V) -> one token per row: processed by each row's settings, then the random
-        rows masked and drawn as one batch (a seeded request draws from its own generator)."""
+        """logits (B, V) -> one token per row: the structured rows masked by their grammar,
+        processed by each row's settings, then the random rows masked and drawn as one batch (a
+        seeded request draws from its own generator)."""
         raw = logits
         logits = logits.float()
+        guided = None
+        if masks is not None:
+            logits = guided = apply_grammar(logits, masks)
         if needs_processing(params):
             rows_history = histories or [_NoHistory()] * len(params)
             logits = apply_processors(logits, params, rows_history)
+            if masks is not None and guided is not None:  # the grammar wins (keep_grammar_tokens)
+                logits = keep_grammar_tokens(logits, guided, masks)
         out: list[int] = logits.argmax(dim=-1).tolist()
         rows = [i for i, sampling in enumerate(params) if not sampling.is_greedy]
         if rows:
@@ -147,6 +156,10 @@ class Sampler:
             for i, logprob in zip(rows, found, strict=True):
                 sampled[i] = SampledToken(tokens[i], logprob)
         return sampled
+
+    def generator_for(self, seq_id: int, sampling: SamplingParams) -> torch.Generator:
+        """The generator a row of this request draws from: its own when seeded, else shared."""
+        return self._shared if sampling.seed is None else self._seeded(seq_id, sampling.seed)
 
     def release(self, seq_id: int) -> None:
         """Forget a finished request's generator."""

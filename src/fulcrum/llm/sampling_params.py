@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from fulcrum.errors import InvalidInput
+from fulcrum.llm.structured_spec import StructuredSpec, check_spec
 
 # torch.Generator.manual_seed accepts exactly this range.
 MIN_SEED = -(2**63)
@@ -87,6 +88,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # fast tokenizers only: no effect (vLLM too)
+    structured: StructuredSpec | None = None  # a grammar every output token must follow
 
     @property
     def is_greedy(self) -> bool:
@@ -231,3 +233,5 @@ class SamplingParams:
         _check_flag("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_flag("skip_special_tokens", self.skip_special_tokens)
         _check_flag("spaces_between_special_tokens", self.spaces_between_special_tokens)
+        if self.structured is not None:
+            check_spec(self.structured)

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fulcrum.errors import ConfigError, FulcrumError, InvalidInput, QueueFull
 from fulcrum.llm.block_manager import BlockManager
 from fulcrum.llm.sequence import FinishReason, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from fulcrum.llm.speculative import Speculation
+
+# Per sequence of a step: its sampled token, the tokens verified after its drafts, or None.
+StepTokens = int | list[int] | None
 
 
 @dataclass
@@ -16,7 +23,8 @@ class ScheduledBatch:
     """What one model step computes, and who was preempted to make room for it."""
 
     # seqs[i] computes token_ids[c : c + num_new_tokens[i]] at positions c.., where
-    # c = seqs[i].num_computed_tokens; it samples iff c + num_new_tokens[i] == seqs[i].num_tokens.
+    # c = seqs[i].num_computed_tokens; it samples iff c + num_new_tokens[i] == seqs[i].num_tokens
+    # + len(seqs[i].spec_token_ids) (a decode that verifies drafts computes 1 + len(drafts)).
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # preempted (by recompute) this step
@@ -77,6 +85,7 @@ class Scheduler:
         self._waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self._running: list[Sequence] = []  # in admission order
         self._seqs: dict[int, Sequence] = {}  # every waiting or running sequence by id
+        self.speculation: Speculation | None = None  # drafts for decodes (off: None)
 
     @property
     def num_running(self) -> int:
@@ -158,7 +167,7 @@ class Scheduler:
             self._schedule_waiting(batch)
         return batch
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: list[StepTokens]) -> list[Sequence]:
         """Apply a finished step; returns the sequences that got a new token (finished included)."""
         if len(sampled) != len(batch.seqs):
             raise FulcrumError(f"{len(sampled)} sampled tokens for {len(batch.seqs)} sequences")
@@ -168,6 +177,10 @@ class Scheduler:
         ):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or finished between schedule() and update()
+            if seq.spec_token_ids:
+                self._accept_verified(seq, token_id)
+                updated.append(seq)
+                continue
             seq.num_computed_tokens += num_new_tokens
             self.block_manager.commit(seq)
             if seq.num_computed_tokens < seq.num_tokens:
@@ -176,7 +189,7 @@ class Scheduler:
                         f"sequence {seq.seq_id} sampled in the middle of its prefill"
                     )
                 continue
-            if token_id is None:
+            if token_id is None or isinstance(token_id, list):
                 raise FulcrumError(
                     f"sequence {seq.seq_id} computed its last token but sampled none"
                 )
@@ -187,6 +200,47 @@ class Scheduler:
             updated.append(seq)
         return updated
 
+    def _accept_verified(self, seq: Sequence, tokens: StepTokens) -> None:
+        """Apply a verification step: the accepted drafts plus the model's token, cut at the first
+        stop; the rejected drafts' KV slots are freed, and only final tokens reach the cache."""
+        num_drafted = len(seq.spec_token_ids)
+        if not isinstance(tokens, list) or not 1 <= len(tokens) <= num_drafted + 1:
+            raise FulcrumError(f"sequence {seq.seq_id}: {tokens!r} for {num_drafted} drafts")
+        seq.spec_token_ids = []
+        if self.speculation is not None:
+            self.speculation.stats.record(num_drafted, len(tokens) - 1)
+        # K/V is valid for the last token and the accepted drafts (equal to the tokens taken).
+        seq.num_computed_tokens += len(tokens)
+        for token_id in tokens:
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+                return
+        self.block_manager.trim(seq)
+        self.block_manager.commit(seq)
+
+    def _spare_draft_tokens(self) -> int:
+        if self.speculation is None:
+            return 0
+        budget = self.max_num_batched_tokens if self.token_budget is None else self.token_budget
+        prefill_pending = bool(self._waiting) or any(
+            s.num_tokens - s.num_computed_tokens > 1 for s in self._running
+        )
+        return self.speculation.spare_tokens(budget, len(self._running), prefill_pending)
+
+    def _schedule_drafts(self, seq: Sequence, spare: int, batch: ScheduledBatch) -> bool:
+        """Schedule a decode with its drafts; False (nothing scheduled) when it has none."""
+        if self.speculation is None or seq.num_tokens - seq.num_computed_tokens != 1:
+            return False
+        drafts = self.speculation.drafts(seq, spare)
+        # Draft slots never preempt anyone: without free blocks the sequence decodes plainly.
+        if not drafts or not self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+            return False
+        seq.spec_token_ids = drafts
+        batch.add(seq, 1 + len(drafts))
+        return True
+
     def _budget_left(self, batch: ScheduledBatch) -> int:
         budget = self.max_num_batched_tokens if self.token_budget is None else self.token_budget
         return budget - batch.num_batched_tokens
@@ -195,12 +249,17 @@ class Scheduler:
         # Admission order puts decodes first: a sequence still in prefill took all the budget
         # left when it was admitted, so nobody was admitted after it. A long prompt is thus
         # chunked to what the decodes leave and never delays anyone's next token.
+        spare = self._spare_draft_tokens()  # beyond one token per running sequence
         for seq in list(self._running):
             budget = self._budget_left(batch)
             if budget < 1:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
+            seq.spec_token_ids = []
+            if spare > 0 and self._schedule_drafts(seq, spare, batch):
+                spare -= len(seq.spec_token_ids)
+                continue
             num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._reserve(seq, num_new_tokens, batch):
                 batch.add(seq, num_new_tokens)
@@ -221,6 +280,7 @@ class Scheduler:
             batch.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)

@@ -65,6 +65,9 @@ class Sequence:
         # on content only, so they survive preemption and are reused on re-admission.
         self.block_hashes: list[bytes] = []
         self.num_preemptions = 0
+        # Draft tokens verified in this step after the last token (speculative decoding): set by
+        # the scheduler for one step, never part of token_ids until accepted.
+        self.spec_token_ids: list[int] = []
         # Written by the runner when the request asked for them: one per generated token, and
         # one per prompt token (None for the first, which nothing predicts).
         self.output_logprobs: list[TokenLogprob] = []

@@ -18,7 +18,7 @@ else:
     require_extra("llm")
     check_torch_version(torch.__version__, extra="llm")
 
-from fulcrum.errors import InvalidInput, ModelError, QueueFull, Shed
+from fulcrum.errors import FulcrumError, InvalidInput, ModelError, QueueFull, Shed
 from fulcrum.llm.block_manager import BlockManager
 from fulcrum.llm.budget import StepRecord, TokenBudget
 from fulcrum.llm.chat import ChatTemplate
@@ -30,8 +30,10 @@ from fulcrum.llm.params import EngineParams
 from fulcrum.llm.request_setup import complete_sampling, scoring_salt
 from fulcrum.llm.runner import ModelRunner, num_blocks_for_budget
 from fulcrum.llm.sampling_params import SamplingParams
-from fulcrum.llm.scheduler import ScheduledBatch, Scheduler
+from fulcrum.llm.scheduler import ScheduledBatch, Scheduler, StepTokens
 from fulcrum.llm.sequence import FinishReason, Sequence
+from fulcrum.llm.speculative import Speculation
+from fulcrum.llm.structured import GrammarCompiler, StructuredOutputs
 from fulcrum.llm.text_front import TextFrontEnd
 from fulcrum.llm.threads import pin_num_threads
 from fulcrum.types import Clock, MonotonicClock
@@ -85,6 +87,8 @@ class LLMEngine(TextFrontEnd):
             device=device,
             dtype=dtype,
         )
+        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.structured = StructuredOutputs(self.grammars.compile, self.vocab_size)
         self.metrics = metrics
         self.clock: Clock = clock or MonotonicClock()
         self._requests: dict[str, RequestState] = {}
@@ -93,6 +97,8 @@ class LLMEngine(TextFrontEnd):
         self._num_failed_steps = 0  # whole steps failed in a row
         # With an SLO the token budget and running limit follow the load; without, they stay.
         self.budget = TokenBudget(params) if params.has_slo else None
+        spec = params.speculative
+        self.speculation = None if spec is None else Speculation(spec)  # kept across resets
         self.block_manager, self.scheduler = self._new_state()
 
     def _new_state(self) -> tuple[BlockManager, Scheduler]:
@@ -108,6 +114,7 @@ class LLMEngine(TextFrontEnd):
             max_num_batched_tokens=params.max_num_batched_tokens,
             max_num_waiting=params.max_num_waiting,
         )
+        scheduler.speculation = self.speculation
         if self.budget is not None:  # a reset keeps what was learnt of the machine's speed
             scheduler.set_limits(self.budget.state.token_budget, self.budget.state.max_running)
         self._num_preemptions_seen = 0
@@ -132,6 +139,8 @@ class LLMEngine(TextFrontEnd):
         """Raise InvalidInput (naming the field) for a request that can never run."""
         sampling.validate()
         sampling.check_vocabulary(self.vocab_size)
+        if sampling.structured is not None:  # cached: compiled off the loop by its caller
+            self.grammars.compile(sampling.structured)
         if not prompt_token_ids:
             raise InvalidInput("prompt: must have at least one token")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
@@ -177,10 +186,12 @@ class LLMEngine(TextFrontEnd):
             cache_salt=cache_salt,
             eos_token_id=eos,
         )
+        self.runner.track(seq)  # a structured request's matcher
         try:
             self.scheduler.add(seq)
-        except QueueFull:
-            if self.metrics is not None:
+        except FulcrumError as exc:
+            self.runner.release(seq.seq_id)
+            if isinstance(exc, QueueFull) and self.metrics is not None:
                 self.metrics.request_shed("queue_full")
             raise
         detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, sampling)
@@ -303,7 +314,7 @@ class LLMEngine(TextFrontEnd):
             return [self._fail(self._by_seq[seq.seq_id], error) for seq in batch.seqs]
         self._num_failed_steps = 0
         outputs: list[RequestOutput] = []
-        tokens: list[int | None] = []
+        tokens: list[StepTokens] = []
         for seq, token in zip(batch.seqs, sampled, strict=True):
             if isinstance(token, ModelError):  # this row alone: update() skips the aborted seq
                 outputs.append(self._fail(self._by_seq[seq.seq_id], token))
@@ -323,14 +334,19 @@ class LLMEngine(TextFrontEnd):
     def _postprocess(self, state: RequestState, now_s: float) -> RequestOutput:
         seq = state.seq
         last_token_s = state.last_token_s
-        state.on_token(now_s, self.metrics)
+        new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_sent_tokens :]  # >1: drafts
+        state.on_token(now_s, self.metrics, len(new_ids))
         if self.budget is not None:
             if last_token_s is None:
                 self.budget.observe_ttft(now_s - state.arrival_s)
             else:
                 self.budget.observe_itl(now_s - last_token_s)
-        state.detokenizer.add(seq.token_ids[-1])
+        for token_id in new_ids:
+            state.detokenizer.add(token_id)
         if state.detokenizer.stopped and not seq.is_finished:
+            self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+        # A complete grammar ends the answer (before min_tokens too: the grammar wins, as vLLM).
+        if not seq.is_finished and self.runner.grammar_complete(seq.seq_id):
             self.scheduler.finish(seq.seq_id, FinishReason.STOP)
         if seq.finish_reason is not None:
             return self._finish(state, seq.finish_reason.value)
@@ -379,3 +395,5 @@ class LLMEngine(TextFrontEnd):
         metrics.prefix_queries.inc(stats.num_queries - seen_queries)
         metrics.prefix_hits.inc(stats.num_hits - seen_hits)
         self._prefix_seen = (stats.num_queries, stats.num_hits)
+        if self.speculation is not None:
+            self.speculation.publish(metrics)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from fulcrum.errors import InvalidInput
+from fulcrum.llm.tools import template_tool_calls
 from fulcrum.protocol.openai_fields import refuse_unimplemented_json
 
 _T = TypeVar("_T")
@@ -53,6 +54,15 @@ class _Request(msgspec.Struct, kw_only=True):
     user: str | None = None
     request_id: str | None = None  # vLLM's: the response id is cmpl-/chatcmpl-<request_id>
     add_special_tokens: bool | None = None  # null: True for a prompt, False for chat (vLLM)
+    # Structured output (protocol.openai_structured): OpenAI's, vLLM's and vLLM's older fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @property
     def is_stream(self) -> bool:
@@ -77,6 +87,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     content: str | list[Any] | None = None
     # The speaker's name (multi-agent clients send it); passed to the template as vLLM does.
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls (fulcrum.llm.tools)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Request, kw_only=True):
@@ -90,6 +102,10 @@ class ChatCompletionRequest(_Request, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Function tools (fulcrum.llm.tools): rendered into the template; calls parsed or forced.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def decode_request(body: bytes, kind: type[_T]) -> _T:
@@ -175,20 +191,26 @@ def completion_logprobs(
     }
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as {"role", "content"} strings; content parts of type text are joined."""
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as {"role", "content"} strings (content parts of type text are joined), with
+    an assistant's tool_calls (arguments as objects) and a tool message's tool_call_id."""
     if not request.messages:
         raise InvalidInput("messages: at least one message is required")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(request.messages):
         content = message.content
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise InvalidInput(f"messages[{i}].content: only text parts are supported")
             content = "".join(str(p.get("text", "")) for p in content)
-        rendered = {"role": message.role, "content": content or ""}
+        rendered: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             rendered["name"] = message.name
+        if message.tool_call_id is not None:
+            rendered["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            where = f"messages[{i}].tool_calls"
+            rendered["tool_calls"] = template_tool_calls(where, message.tool_calls)
         out.append(rendered)
     return out
 

@@ -102,15 +102,15 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "routed_experts_prompt_start": (0,),
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
+    # Declared by the chat struct (fulcrum.llm.tools); neutral for structs that leave tools out.
     "tool_choice": ("none",),
-    # Means something only with `tools`, which is refused on its own (vLLM ignores it).
     "parallel_tool_calls": (True, False),
+    "tool_calls": ([],),
     "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "mm_processor_kwargs": ({},),
     "media_io_kwargs": ({},),
     "vllm_xargs": ({},),
-    "tool_calls": ([],),
 }
 
 

@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from fulcrum.cache.tiered import CACHE_HEADER
 from fulcrum.embeddings import encode_vectors
+from fulcrum.llm.tools import tool_plan
 from fulcrum.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,6 +25,7 @@ from fulcrum.protocol.openai import (
     embedding_response,
     embedding_texts,
 )
+from fulcrum.router import ROUTE_HEADER
 from fulcrum.server import openai_choices
 from fulcrum.server.http import (
     endpoint,
@@ -36,11 +38,13 @@ from fulcrum.server.http import (
 from fulcrum.server.openai_choices import AnswerSpec, Choice, prompt_infos
 from fulcrum.server.openai_extra import extra_routes, model_cards
 from fulcrum.server.openai_request import chat_options, with_request_id
+from fulcrum.server.openai_tools import ToolAnswer, tool_answer
 from fulcrum.service_openai import (
     admit_choices,
     check_num_choices,
     completion_prompts,
     num_choices_per_prompt,
+    prepare_structured,
     sampling_params,
     truncated,
 )
@@ -96,8 +100,9 @@ class _OpenAIApi:
         body = decode_request(await read_body(request, MAX_BODY_BYTES), ChatCompletionRequest)
         check_unsupported(body)
         ctx = with_request_id(ctx, request, body.request_id)
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         call = await self.service.prepare_chat(
-            ctx, body.model, chat_messages(body), chat_options(body)
+            ctx, body.model, chat_messages(body), chat_options(body, tools)
         )
         # Without a limit, a chat answer may use whatever context the prompt leaves (vLLM's rule).
         max_tokens = (
@@ -105,7 +110,8 @@ class _OpenAIApi:
         )
         if max_tokens is None:
             max_tokens = max(1, call.max_model_len - len(call.token_ids))
-        return await self._generate(request, ctx, [call], body, max_tokens, None)
+        answer = tool_answer(tools, call.tool_call_parser)
+        return await self._generate(request, ctx, [call], body, max_tokens, None, answer)
 
     async def _generate(
         self,
@@ -115,12 +121,18 @@ class _OpenAIApi:
         body: CompletionRequest | ChatCompletionRequest,
         max_tokens: int,
         texts: list[str | None] | None,  # completions: the prompts given as text
+        tools: ToolAnswer | None = None,  # chat: how the answer is read for tool calls
     ) -> Response:
         """Admit every choice (prompts x n; errors raise here) and answer for them all."""
         chat = texts is None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{ctx.request_id}"  # vLLM's ids
         n = num_choices_per_prompt(body)
         sampling = sampling_params(body, max_tokens)
+        field = None  # the request field the grammar came from (None: find it in the body)
+        if tools is not None:  # required / named: the calls' schema constrains the output
+            sampling = tools.sampling(sampling)
+            field = "tools" if tools.plan.is_forced else None
+        await prepare_structured(calls[0], body, sampling, field)  # compiles off the loop
         calls = [truncated(call, body.truncate_prompt_tokens) for call in calls]
 
         echo = isinstance(body, CompletionRequest) and bool(body.echo)
@@ -129,7 +141,7 @@ class _OpenAIApi:
             prompts=prompt_infos(calls, texts, echo=echo),
             decode=calls[0].decode_token,
             logprobs=sampling.logprobs is not None, echo=echo,
-            prompt_logprobs=body.prompt_logprobs is not None,
+            prompt_logprobs=body.prompt_logprobs is not None, tools=tools,
         )  # fmt: skip
 
         # The result cache answers before admission, so its header precedes the first byte.
@@ -168,4 +180,6 @@ class _OpenAIApi:
         response = json_response(embedding_response(body.model, vectors, result.prompt_tokens))
         if result.cache is not None:
             response.headers[CACHE_HEADER] = result.cache
+        if result.route is not None:
+            response.headers[ROUTE_HEADER] = result.route
         return response

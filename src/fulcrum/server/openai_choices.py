@@ -24,6 +24,7 @@ from fulcrum.protocol.openai import (
 if TYPE_CHECKING:
     from fulcrum.llm.logprobs import TokenLogprob
     from fulcrum.llm.outputs import RequestOutput
+    from fulcrum.server.openai_tools import ToolAnswer
     from fulcrum.service import LLMCall
     from fulcrum.service_openai import ChoiceOutput
 
@@ -68,6 +69,7 @@ class AnswerSpec:
     logprobs: bool = False  # the request asked for logprobs of its output tokens
     echo: bool = False  # completions: the prompt precedes the text (and its logprobs)
     prompt_logprobs: bool = False  # vLLM's extension: the prompt's logprobs in each choice
+    tools: ToolAnswer | None = None  # chat: how the text is read for tool calls
 
     @property
     def object(self) -> str:
@@ -152,6 +154,8 @@ def _choice_json(spec: AnswerSpec, index: int, choice: _Choice) -> dict[str, Any
     prompt = spec.prompt_of(index)
     if spec.chat:
         out["message"] = {"role": "assistant", "content": text}
+        if spec.tools is not None:
+            out["message"], out["finish_reason"] = spec.tools.message(text, choice.finish_reason)
         if spec.logprobs:
             out["logprobs"] = _chat_logprobs(spec, choice.logprobs)
     else:
@@ -209,6 +213,7 @@ class _Stream:
         self.obj = "chat.completion.chunk" if spec.chat else "text_completion"
         self.offsets: dict[int, int] = {}  # completions: characters sent per choice
         self.echoed: set[int] = set()  # completions with echo: choices whose prompt went out
+        self.tools = None if spec.tools is None else spec.tools.stream()
 
     def chunk(self, choices: list[dict[str, Any]]) -> bytes:
         return _sse(envelope(self.spec.request_id, self.obj, self.spec.model, choices))
@@ -230,6 +235,13 @@ class _Stream:
                                   "finish_reason": output.finish_reason}  # fmt: skip
         if spec.chat:
             choice["delta"] = {"content": output.new_text} if output.new_text else {}
+            if self.tools is not None:  # text may be held while it could open a call
+                delta, choice["finish_reason"] = self.tools.delta(
+                    index, output.new_text, output.finish_reason
+                )
+                if not (delta or output.finished or output.new_logprobs):
+                    return None
+                choice["delta"] = delta
             if spec.logprobs:
                 choice["logprobs"] = _chat_logprobs(spec, output.new_logprobs)
             return self.chunk([choice])

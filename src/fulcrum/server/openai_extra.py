@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Fields of vLLM's tokenize requests this server does not implement: refused, never ignored.
-_TOKENIZE_REFUSED = frozenset({"tools", "mm_processor_kwargs", "media_io_kwargs"})
+_TOKENIZE_REFUSED = frozenset({"mm_processor_kwargs", "media_io_kwargs"})
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -47,6 +47,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # rendered as the chat endpoint renders them
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -149,6 +150,8 @@ class _ExtraApi:
             chat_template=body.chat_template,
             chat_template_kwargs=body.chat_template_kwargs,
             documents=body.documents,
+            tools=body.tools,
+            tool_choice=None if body.tools is None else "none",  # rendered, not parsed
         )
         return await self.service.prepare_chat(ctx, model, chat_messages(chat), chat_options(chat))
 

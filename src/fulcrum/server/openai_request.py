@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fulcrum.context import MAX_LABEL_CHARS, REQUEST_ID_HEADER
 from fulcrum.errors import InvalidInput
 from fulcrum.llm.chat import ChatOptions
+from fulcrum.llm.tools import ToolPlan, tool_plan
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -35,9 +36,12 @@ def with_request_id(ctx: RequestContext, request: Request, body_id: str | None) 
     return ctx
 
 
-def chat_options(body: ChatCompletionRequest) -> ChatOptions:
-    """The chat-template controls of a chat body (null: the field's default). An absent
-    add_generation_prompt is false when continue_final_message is asked; both true is a 400."""
+def chat_options(body: ChatCompletionRequest, plan: ToolPlan | None = None) -> ChatOptions:
+    """The chat-template controls of a chat body (null: the field's default), its tools
+    included (`plan`, checked here when not given). An absent add_generation_prompt is false
+    when continue_final_message is asked; both true is a 400."""
+    if plan is None:
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     continue_final = bool(body.continue_final_message)
     add_generation_prompt = body.add_generation_prompt
     if add_generation_prompt is None:
@@ -49,4 +53,5 @@ def chat_options(body: ChatCompletionRequest) -> ChatOptions:
         chat_template=body.chat_template,
         chat_template_kwargs=body.chat_template_kwargs,
         documents=body.documents,
+        tools=plan.template_tools,
     )

@@ -25,6 +25,7 @@ class Fidelity:
     value: float
     metric: str  # "cosine", "top1" or "accuracy"
     worst_row: float | None = None  # cosine: the least similar row
+    perplexity_ratio: float | None = None  # LLMs: variant / reference perplexity
 
 
 def cosine(reference: Array, variant: Array) -> Fidelity:

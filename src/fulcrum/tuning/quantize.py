@@ -35,7 +35,7 @@ REFERENCE_PRECISION = "fp32"  # the name a model's own file gets when it declare
 QUANTIZERS: dict[str, str | None] = {
     "onnx": "fulcrum.tuning.quantize_onnx:OnnxQuantizer",
     "torch": "fulcrum.tuning.quantize_torch:TorchQuantizer",
-    "llm": "fulcrum.tuning.quantize_llm:LlmQuantizer",  # weight-only int8 (model.int8.safetensors)
+    "llm": "fulcrum.tuning.quantize_llm:LlmQuantizer",  # weight-only int8 / int4 safetensors
 }
 
 
@@ -86,6 +86,7 @@ class Speed:
     knee_batch: int
     throughput_rps: float
     machine: str
+    output_tokens_per_s: float | None = None  # LLMs: generated tokens/s at knee_batch
 
 
 class Quantizer(Protocol):
@@ -115,9 +116,11 @@ class Row:
     fidelity: float | None = None
     fidelity_metric: str = ""
     worst_row: float | None = None
+    perplexity_ratio: float | None = None  # LLMs: variant / reference perplexity
     latency_ms: float | None = None
     knee_batch: int | None = None
     throughput_rps: float | None = None
+    output_tokens_per_s: float | None = None  # LLMs
     latency_gain: float | None = None  # reference latency / variant latency (> 1: faster)
     throughput_gain: float | None = None  # variant throughput / reference throughput
     verdict: str = ""
@@ -246,7 +249,7 @@ def _reference_row(
         return row, _machine()
     speed = quantizer.measure(job, job.config, options.profile)
     row.latency_ms, row.knee_batch = speed.latency_ms, speed.knee_batch
-    row.throughput_rps = speed.throughput_rps
+    row.throughput_rps, row.output_tokens_per_s = speed.throughput_rps, speed.output_tokens_per_s
     return row, speed.machine
 
 
@@ -285,10 +288,12 @@ def _variant_row(
             found.metric,
             found.worst_row,
         )
+        row.perplexity_ratio = found.perplexity_ratio
         if options.measure:
             speed = quantizer.measure(job, variant, options.profile)
             row.latency_ms, row.knee_batch = speed.latency_ms, speed.knee_batch
             row.throughput_rps = speed.throughput_rps
+            row.output_tokens_per_s = speed.output_tokens_per_s
     except (FulcrumError, OSError) as exc:  # one precision failing leaves the others to run
         row.verdict = f"failed: {exc}"
         row.load = False
@@ -335,6 +340,8 @@ def _figures(row: Row, reference: str, today: str, machine: str) -> VariantFigur
         throughput_rps=row.throughput_rps,
         fidelity=row.fidelity,
         fidelity_metric=row.fidelity_metric,
+        perplexity_ratio=row.perplexity_ratio,
+        output_tokens_per_s=row.output_tokens_per_s,
         reference="" if row.name == reference else reference,
         measured_at=today,
         machine=machine if row.latency_ms is not None else "",

@@ -1,8 +1,9 @@
-"""`fulcrum quantize` for `platform = "llm"` models: int8 weight-only (per-output-channel
-symmetric) projections written to `model.int8.safetensors` next to the float weights, selected by
-the variant's `model_file` and `quantization` parameters. Fidelity: teacher-forced greedy-token
+"""`fulcrum quantize` for `platform = "llm"` models: weight-only projections, int8
+(per-output-channel symmetric) in `model.int8.safetensors` and int4 (group-wise, asymmetric,
+128 columns a group) in `model.int4.safetensors`, next to the float weights and selected by the
+variant's `model_file` and `quantization` parameters. Fidelity: teacher-forced greedy-token
 agreement and the perplexity ratio (`fulcrum.tuning.llm_fidelity`); speed: time per output token
-of one sequence and output throughput at a fixed number of sequences, through the engine."""
+of one sequence and output tokens/s at a fixed number of sequences, through the engine."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from fulcrum.tuning.profile import ProfileOptions
 
 INT8_FILE = "model.int8.safetensors"
+INT4_FILE = "model.int4.safetensors"
+FILES = {"int8": INT8_FILE, "int4": INT4_FILE}
 FIDELITY_METRIC = "token_agreement"
 CONCURRENCY = 8  # sequences at once for the throughput figure (unless --batch-sizes names one)
 PROMPT_TOKENS = 32  # each measured sequence: this prompt, then OUTPUT_TOKENS greedy tokens
@@ -39,12 +42,14 @@ class LlmFidelityOptions:
     chunk_tokens: int = 128
     max_chunks: int = 8
     include_lm_head: bool = False  # the head is the most sensitive layer: float unless asked
+    int4_group_size: int = 128  # input columns sharing one int4 scale and zero point
+    int4_symmetric: bool = False  # True: zero point 8 (GPTQ's sym); False: one per group
 
 
 class LlmQuantizer:
     """The `Quantizer` of `fulcrum.tuning.quantize` for the LLM engine."""
 
-    supported: tuple[str, ...] = ("int8",)
+    supported: tuple[str, ...] = ("int8", "int4")
     default_model_file = "model.safetensors"
 
     def __init__(self, options: LlmFidelityOptions | None = None) -> None:
@@ -65,34 +70,45 @@ class LlmQuantizer:
             quantization=params.quantization,
         )
         module: torch.nn.Module = source.model  # type: ignore[assignment]
-        if any(isinstance(m, quant.Int8Linear) for m in module.modules()):
-            raise ConfigError(f"variant {job.reference!r} is already int8: quantize a float one")
-        names = quant.quantizable_linears(module, include_lm_head=self.options.include_lm_head)
-        quant.replace_linears(module, names, quantize=True)
-        path = job.version_dir / INT8_FILE
+        already = quant.module_quantization(module)
+        if already != quant.NONE:
+            raise ConfigError(
+                f"variant {job.reference!r} is already {already}: quantize a float one"
+            )
+        opts = self.options
+        names = quant.quantizable_linears(module, include_lm_head=opts.include_lm_head)
+        quant.replace_linears(
+            module,
+            names,
+            quantize=True,
+            precision=precision,
+            group_size=opts.int4_group_size,
+            symmetric=opts.int4_symmetric,
+        )
+        path = job.version_dir / FILES[precision]
         quant.save_quantized(module, path, source=params.model_file or "*.safetensors")
         parameters: dict[str, ParamValue] = {
-            "model_file": INT8_FILE,
-            "quantization": "int8",
+            "model_file": FILES[precision],
+            "quantization": precision,
         }
         found = self._compare(job, {**job.config.parameters, **parameters})
         notes = (
-            f"{len(names)} linear layers int8 (per-channel symmetric); embeddings, norms"
+            f"{len(names)} linear layers {_scheme(precision, opts)}; embeddings, norms"
             f"{'' if 'lm_head' in names else ', LM head'} float",
             f"fidelity: teacher-forced greedy-token agreement at {found.num_tokens} positions "
             f"({self.options.num_prompts} prompts), worst prompt {found.worst_prompt:.3f}",
-            f"perplexity ratio {found.perplexity_ratio:.4f} (int8 {found.perplexity_variant:.2f}"
+            f"perplexity ratio {found.perplexity_ratio:.4f} ({precision} "
+            f"{found.perplexity_variant:.2f}"
             f" / float {found.perplexity_reference:.2f} on {found.num_text_tokens} tokens)",
-            "latency = time per output token of 1 sequence; throughput = sequences/s at "
+            "latency = time per output token of 1 sequence; throughput = sequences/s (and "
+            "output tokens/s in the figures) at "
             f"{CONCURRENCY} at once unless --batch-sizes names a count ({PROMPT_TOKENS}-token "
             f"prompts, {OUTPUT_TOKENS} new tokens each)",
         )
-        fidelity = Fidelity(found.agreement, FIDELITY_METRIC, worst_row=found.worst_prompt)
-        return VariantFile(precision, parameters, (path,), notes=notes, fidelity=fidelity)
+        return VariantFile(precision, parameters, (path,), notes=notes, fidelity=_fidelity(found))
 
     def fidelity(self, job: QuantizeJob, variant: ModelConfig) -> Fidelity:
-        found = self._compare(job, dict(variant.parameters))
-        return Fidelity(found.agreement, FIDELITY_METRIC, worst_row=found.worst_prompt)
+        return _fidelity(self._compare(job, dict(variant.parameters)))
 
     def measure(self, job: QuantizeJob, config: ModelConfig, options: ProfileOptions) -> Speed:
         """TPOT of one sequence alone and throughput at a fixed number of sequences."""
@@ -113,7 +129,13 @@ class LlmQuantizer:
         point = next((p for p in result.points if p.batch_size == concurrency), None)
         if point is None:
             raise ModelError(f"{concurrency} sequences could not be measured: {result.notes}")
-        return Speed(result.tpot_ms_b1, concurrency, point.throughput_rps, result.machine)
+        return Speed(
+            result.tpot_ms_b1,
+            concurrency,
+            point.throughput_rps,
+            result.machine,
+            output_tokens_per_s=point.output_tokens_per_s,
+        )
 
     def _compare(self, job: QuantizeJob, variant_parameters: dict[str, object]) -> LlmFidelity:
         from fulcrum.llm.loader import load_checkpoint
@@ -156,6 +178,22 @@ class LlmQuantizer:
         return [p[: limit - opts.continuation_tokens] for p in prompts], text_chunks(
             ids, chunk, opts.max_chunks
         )
+
+
+def _fidelity(found: LlmFidelity) -> Fidelity:
+    return Fidelity(
+        found.agreement,
+        FIDELITY_METRIC,
+        worst_row=found.worst_prompt,
+        perplexity_ratio=found.perplexity_ratio,
+    )
+
+
+def _scheme(precision: str, opts: LlmFidelityOptions) -> str:
+    if precision == "int8":
+        return "int8 (per-channel symmetric)"
+    kind = "symmetric" if opts.int4_symmetric else "asymmetric"
+    return f"int4 ({kind}, groups of {opts.int4_group_size} input columns)"
 
 
 def _engine_params(config: ModelConfig) -> EngineParams:

@@ -11,6 +11,11 @@ from fulcrum.llm.models.attention import AttentionMetadata
 
 GPT2_TYPES = ("gpt2",)
 LLAMA_TYPES = ("llama", "qwen2", "mistral")
+QWEN3_TYPES = ("qwen3",)
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+PHI3_TYPES = ("phi3",)
+MOE_TYPES = ("qwen2_moe", "qwen3_moe")
+SUPPORTED_TYPES = GPT2_TYPES + LLAMA_TYPES + QWEN3_TYPES + GEMMA_TYPES + PHI3_TYPES + MOE_TYPES
 
 
 class CausalLM(Protocol):
@@ -47,7 +52,25 @@ def build_model(raw_config: dict[str, Any]) -> torch.nn.Module:
         from fulcrum.llm.models.llama import LlamaConfig, LlamaForCausalLM
 
         return LlamaForCausalLM(LlamaConfig.from_hf(raw_config))
-    supported = GPT2_TYPES + LLAMA_TYPES
+    if model_type in QWEN3_TYPES:
+        from fulcrum.llm.models.qwen3 import build_qwen3
+
+        return build_qwen3(raw_config)
+    if model_type in GEMMA_TYPES:
+        from fulcrum.llm.models.gemma import build_gemma
+
+        return build_gemma(raw_config)
+    if model_type in PHI3_TYPES:
+        from fulcrum.llm.models.phi3 import build_phi3
+
+        return build_phi3(raw_config)
+    if model_type in MOE_TYPES:
+        from fulcrum.llm.models.moe import build_moe
+
+        return build_moe(raw_config)
+    hint = ""
+    if model_type == "gemma3":
+        hint = " (a Gemma 3 vision-language checkpoint: serve its text model, gemma3_text)"
     raise ConfigError(
-        f"config.json: key 'model_type' = {model_type!r}: expected one of {supported}"
+        f"config.json: key 'model_type' = {model_type!r}: expected one of {SUPPORTED_TYPES}{hint}"
     )

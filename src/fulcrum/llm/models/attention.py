@@ -16,6 +16,11 @@ keys `window` or more positions back, and in-place decodes that start reading th
 A layer's pool is head-major, (Hkv, num_blocks, block_size, D) (`kv_cache_shape`): gathering a
 sequence's blocks then gives each KV head's keys as one contiguous (K, D) slab, which SDPA reads
 faster than keys interleaved across heads (about 10% off a decode step's attention on CPU).
+
+Attention logit soft-capping (Gemma 2: scores -> softcap * tanh(scores / softcap) before the
+mask) is applied in the in-place decode path (`paged_decode(softcap=)`); SDPA cannot say it, so
+other capped groups compute the scores explicitly (`_capped_sdpa`), as transformers' eager
+attention does.
 """
 
 from __future__ import annotations
@@ -54,21 +59,25 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """q (T, H, D), k/v (T, Hkv, D), caches (Hkv, num_blocks, block_size, D) -> (T, H, D)."""
+    """q (T, H, D), k/v (T, Hkv, D), caches (Hkv, num_blocks, block_size, D) -> (T, H, D);
+    softcap > 0 caps the attention logits."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     if meta.groups_in_order:
         outs = [
-            _attend(q[g.row_range[0] : g.row_range[1]], k_cache, v_cache, g, scale)
+            _attend(q[g.row_range[0] : g.row_range[1]], k_cache, v_cache, g, scale, softcap)
             for g in meta.groups
             if g.row_range is not None
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     out = torch.empty_like(q)
     for group in meta.groups:
-        out[group.token_rows] = _attend(q[group.token_rows], k_cache, v_cache, group, scale)
+        rows = group.token_rows
+        out[rows] = _attend(q[rows], k_cache, v_cache, group, scale, softcap)
     return out
 
 
@@ -78,6 +87,7 @@ def _attend(
     v_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     b, max_q = group.num_seqs, group.max_query_len
@@ -92,6 +102,7 @@ def _attend(
             group.context_lens,
             scale,
             skip=group.window_skip,
+            softcap=softcap,
         )
         return out.view(b, num_heads, head_dim)
     if group.token_index is None:
@@ -107,21 +118,47 @@ def _attend(
     bias = group.attn_bias
     if bias is not None and bias.dtype != q.dtype:
         bias = bias.to(q.dtype)  # SDPA takes a float mask only in the query's dtype
-    if max_q == 1 and num_heads != num_kv_heads:
+    if softcap:
+        out = _capped_sdpa(q_pad, keys, values, group.mask, scale, softcap)  # (Bg, H, max_q, D)
+    elif max_q == 1 and num_heads != num_kv_heads:
         # Decode with grouped KV heads: the query heads sharing a KV head become that head's
         # query rows, (Bg, Hkv, H / Hkv, D), one SDPA row block per KV head instead of a
         # 1-row one per query head. The (Bg, 1, 1, K) mask broadcasts over the rows.
         q_fold = q_pad.reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q_fold, keys, values, attn_mask=bias, scale=scale)
         return out.reshape(b, num_heads, head_dim)  # one query each: nothing padded
-    out = F.scaled_dot_product_attention(
-        q_pad,
-        keys,
-        values,
-        attn_mask=bias,
-        is_causal=bias is None,
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )  # (Bg, H, max_q, D)
+    else:
+        out = F.scaled_dot_product_attention(
+            q_pad,
+            keys,
+            values,
+            attn_mask=bias,
+            is_causal=bias is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # (Bg, H, max_q, D)
     out = out.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
     return out if group.token_index is None else out[group.token_index]
+
+
+def _capped_sdpa(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA with soft-capped logits: q (Bg, H, Q, D), keys/values (Bg, Hkv, K, D), mask
+    (Bg, 1, Q, K) bool or None (causal from key 0) -> (Bg, H, Q, D)."""
+    groups = q.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # (Bg, H, Q, K)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        num_q, num_k = scores.shape[2], scores.shape[3]
+        mask = torch.ones(num_q, num_k, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)

@@ -91,9 +91,13 @@ class RopeConfig:
         return None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], head_dim: int) -> RopeConfig:
+    def from_hf(
+        cls, raw: dict[str, Any], head_dim: int, *, partial_rotary: bool = False
+    ) -> RopeConfig:
         """Read `rope_scaling` (older form; it wins when set, as in transformers) or
-        `rope_parameters`, with `rope_theta` from the dict or the top level."""
+        `rope_parameters`, with `rope_theta` from the dict or the top level. partial_rotary:
+        the family rotates only the first `partial_rotary_factor` of each head (Phi-3), so
+        `head_dim` here becomes that rotary width."""
         key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
         given = raw.get(key) or {}
         if not isinstance(given, dict):
@@ -105,7 +109,9 @@ class RopeConfig:
             )
         _check_keys(key, given, rope_type)
         partial = given.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        if partial is not None and float(partial) != 1.0:
+        if partial_rotary and partial is not None:
+            head_dim = _rotary_dim(head_dim, partial)
+        elif partial is not None and float(partial) != 1.0:
             raise ConfigError(
                 f"config.json: key 'partial_rotary_factor' = {partial!r}: this model family "
                 "rotates the whole head (1.0)"
@@ -129,6 +135,18 @@ class RopeConfig:
         )
         _check_values(config, key)
         return config
+
+
+def _rotary_dim(head_dim: int, partial: Any) -> int:
+    """The rotated width of a head, int(head_dim * factor) as transformers takes it."""
+    ok = isinstance(partial, int | float) and not isinstance(partial, bool) and 0 < partial <= 1
+    dim = int(head_dim * partial) if ok else 0
+    if dim < 2 or dim % 2:
+        raise ConfigError(
+            f"config.json: key 'partial_rotary_factor' = {partial!r}: expected a number in "
+            f"(0, 1] giving an even rotary width of the {head_dim}-wide heads"
+        )
+    return dim
 
 
 def _check_keys(key: str, given: dict[str, Any], rope_type: str) -> None:
@@ -343,8 +361,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-    """x (T, H, D) rotated by each token's position."""
+    """x (T, H, D) rotated by each token's position; tables narrower than D (partial rotary)
+    rotate the leading dims and pass the rest through."""
     cos, sin = tables
+    rotary = cos.shape[-1]
+    if rotary != x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], tables), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -1,0 +1,230 @@
+"""Int4 weight-only linear layers: group-wise (32/64/128/256 input columns share one float scale
+and one integer zero point), asymmetric or symmetric, packed two per byte. The canonical layout
+(`pack_int4`) is what files hold; on a CPU with native bfloat16 a decode step runs torch's fused
+`_weight_int4pack_mm_for_cpu` kernel on a copy repacked to its layout, built on first use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fulcrum.errors import ConfigError
+from fulcrum.llm import cpu_bf16
+
+GROUP_SIZES = (32, 64, 128, 256)  # what torch's fused CPU kernel accepts
+DEFAULT_GROUP_SIZE = 128
+# Rows up to which the fused kernel runs; above it one dequantized bf16 copy serves all rows (a
+# prefill). Measured on a loaded 2-core Zen 4, one 8192x2048 layer: fused is 4-8x float32 at 1-8
+# rows; at 32 rows it costs about what dequantizing (40-70 ms) plus a bf16 matmul does, and
+# grows with the rows where the dequantized matmul barely does.
+FUSED_MAX_ROWS = 32
+_QMAX = 15
+_SYM_ZERO = 8  # symmetric: q - 8 in [-8, 7]
+_KERNEL_BLOCK_N = 64  # the fused kernel packs 64 output rows at a time
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """One layer's int4 weights in the canonical layout.
+
+    qweight (N, Kp/2) uint8: column k of row n in byte k//2, the low nibble for even k;
+    scales (N, Kp/g) float32; zeros (N, Kp/g) uint8 in [0, 15]; w = (q - zero) * scale.
+    Kp is the input width rounded up to the group size (padded columns are zero)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    @property
+    def group_size(self) -> int:
+        return 2 * int(self.qweight.shape[1]) // int(self.scales.shape[1])
+
+
+def check_group_size(group_size: int) -> None:
+    """ConfigError unless the fused kernel (and so this layer) takes `group_size`."""
+    if group_size not in GROUP_SIZES:
+        raise ConfigError(f"int4 group size {group_size}: expected one of {GROUP_SIZES}")
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) integers in [0, 15], K even -> (N, K/2) uint8, even columns in the low nibble."""
+    q8 = q.to(torch.uint8)
+    return q8[:, 0::2] | (q8[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) uint8 in [0, 15] (the inverse of `pack_int4`)."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, *, symmetric: bool = False
+) -> Int4Weight:
+    """weight (N, K) float -> int4 groups of `group_size` input columns (round to nearest)."""
+    check_group_size(group_size)
+    w = _pad_columns(weight.detach().float(), group_size)  # (N, Kp)
+    n, kp = w.shape
+    groups = w.reshape(n, kp // group_size, group_size)  # (N, G, g)
+    if symmetric:
+        scale = groups.abs().amax(dim=-1) / (_QMAX // 2)  # (N, G): q - 8 in [-7, 7]
+        zero = torch.full_like(scale, _SYM_ZERO)
+    else:
+        low = groups.amin(dim=-1).clamp(max=0)  # the range holds 0, so padding is exact
+        high = groups.amax(dim=-1).clamp(min=0)
+        scale = (high - low) / _QMAX
+        zero = torch.round(-low / torch.where(scale > 0, scale, 1.0)).clamp(0, _QMAX)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group stays 0
+    q = torch.round(groups / scale[..., None]) + zero[..., None]
+    q = q.clamp(0, _QMAX).reshape(n, kp)
+    return Int4Weight(pack_int4(q), scale, zero.to(torch.uint8))
+
+
+def dequantize_int4(weight: Int4Weight, in_features: int | None = None) -> torch.Tensor:
+    """The float32 (N, K) weights an `Int4Weight` stands for (padding cut at `in_features`)."""
+    q = unpack_int4(weight.qweight)
+    return _dequantize(q, weight.scales, weight.zeros, torch.float32)[:, :in_features]
+
+
+def _dequantize(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    n, kp = q.shape
+    num_groups = scales.shape[1]
+    groups = q.reshape(n, num_groups, kp // num_groups).to(dtype)  # (N, G, g)
+    centred = groups - zeros.to(dtype)[..., None]
+    return (centred * scales.to(dtype)[..., None]).reshape(n, kp)
+
+
+def _pad_columns(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    pad = -w.shape[1] % group_size
+    return F.pad(w, (0, pad)) if pad else w
+
+
+def to_kernel_layout(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) in [0, 15] -> the fused CPU kernel's packed (N, K/2) uint8."""
+    packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.to(torch.int32).contiguous(), 1
+    )
+    return packed
+
+
+def from_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_kernel_layout` for N a multiple of 64: each block of 64 rows is
+    stored (K, 32) bytes, row r in the low nibble and row r + 32 in the high one."""
+    n, half_k = packed.shape
+    blocks = packed.reshape(n // _KERNEL_BLOCK_N, 2 * half_k, _KERNEL_BLOCK_N // 2)  # (B, K, 32)
+    low, high = (blocks & 0xF).transpose(1, 2), (blocks >> 4).transpose(1, 2)  # (B, 32, K)
+    return torch.cat((low, high), dim=1).reshape(n, 2 * half_k)
+
+
+class Int4Linear(nn.Module):
+    """`nn.Linear` with group-wise int4 weights (`Int4Weight`'s buffers, same names)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int) -> None:
+        super().__init__()
+        check_group_size(group_size)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        padded = in_features + (-in_features % group_size)
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor
+        self.zeros: torch.Tensor
+        self.register_buffer("qweight", torch.zeros(out_features, padded // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, padded // group_size))
+        self.register_buffer(
+            "zeros", torch.zeros(out_features, padded // group_size, dtype=torch.uint8)
+        )
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        # The fused kernel's copy: (packed weights, (G, N, 2) bf16 scales and zeros). Once it
+        # exists, `qweight` holds the kernel's layout (not the canonical one) so that the
+        # weights sit in memory once; `weights()` gives the canonical layout back.
+        self._kernel: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, *, symmetric: bool = False
+    ) -> Int4Linear:
+        """The quantized twin of a float layer (same device)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size)
+        layer.load(quantize_int4(linear.weight, group_size, symmetric=symmetric))
+        if linear.bias is not None and layer.bias is not None:
+            layer.bias.data = linear.bias.detach().float().clone()
+        return layer.to(linear.weight.device)
+
+    def load(self, weight: Int4Weight) -> None:
+        """Fill the layer from canonical int4 weights (ConfigError on a shape mismatch)."""
+        for name, tensor in (("qweight", weight.qweight), ("scales", weight.scales)):
+            own: torch.Tensor = getattr(self, name)
+            if own.shape != tensor.shape:
+                raise ConfigError(
+                    f"int4 {name} of shape {list(tensor.shape)}, expected {list(own.shape)}"
+                )
+        self.qweight = weight.qweight.to(torch.uint8).contiguous()
+        self.scales = weight.scales.float().contiguous()
+        self.zeros = weight.zeros.to(torch.uint8).contiguous()
+        self._kernel = None
+
+    def weights(self) -> Int4Weight:
+        """This layer's weights in the canonical layout (as files hold them)."""
+        if self._kernel is None:
+            return Int4Weight(self.qweight, self.scales, self.zeros)
+        return Int4Weight(pack_int4(from_kernel_layout(self.qweight)), self.scales, self.zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        padded = 2 * self.qweight.shape[1]
+        if padded != self.in_features:  # zero columns meet zero weights
+            x2 = F.pad(x2, (0, padded - self.in_features))
+        if x2.shape[0] <= FUSED_MAX_ROWS and self._fusable(x2):
+            packed, scales_zeros = self._kernel_weights()
+            # bf16 activations, as for int8: the kernel's float32 path is 4x slower than a
+            # float32 matmul here, its bf16 path 8x faster.
+            out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16).contiguous(), packed, self.group_size, scales_zeros
+            )  # (M, N)
+        else:
+            compute = _compute_dtype(x2)
+            out = F.linear(x2.to(compute), self._dequantized(compute))  # (M, N)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.reshape(*lead, self.out_features)
+
+    def _fusable(self, x2: torch.Tensor) -> bool:
+        return (
+            x2.device.type == "cpu"
+            and self.out_features % _KERNEL_BLOCK_N == 0
+            and x2.dtype in (torch.float32, torch.bfloat16)
+            and cpu_bf16.cpu_has_bf16()
+        )
+
+    def _kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kernel is None:
+            q = unpack_int4(self.qweight)  # (N, Kp)
+            scales = self.scales.float()
+            # The kernel computes (q - 8) * scale + zero_f: zero_f moves our integer zero.
+            zero_f = (_SYM_ZERO - self.zeros.float()) * scales  # (N, G)
+            scales_zeros = torch.stack((scales.t(), zero_f.t()), dim=-1)  # (G, N, 2)
+            packed = to_kernel_layout(q)
+            self._kernel = (packed, scales_zeros.to(torch.bfloat16).contiguous())
+            self.qweight = packed  # the canonical copy is dropped: see `_kernel`
+        return self._kernel
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._kernel is not None and dtype == torch.bfloat16 and self.qweight.is_cpu:
+            from fulcrum.llm.quant_int4_kernel import dequantize_kernel_layout
+
+            return dequantize_kernel_layout(self.qweight, self.scales, self.zeros)
+        canonical = self._kernel is None
+        q = unpack_int4(self.qweight) if canonical else from_kernel_layout(self.qweight)
+        return _dequantize(q, self.scales, self.zeros, dtype)  # (N, Kp)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return cpu_bf16.cpu_compute_dtype(x.dtype) if x.device.type == "cpu" else x.dtype
