@@ -164,9 +164,12 @@ def run(repo: Path, args: argparse.Namespace) -> dict[str, object]:
     with serving(repo, args.src.resolve(), args.out / "server.log") as (url, port):
         target = V2Target(Endpoint.from_url(url), v2_requests(url, 256, args.words))
         play(url, target, [Step(0.0, 3.0, 1.0)], 20.0, seed=1, timeout_s=10.0)  # warm
-        closed = max(capacity_rps(url, target, 5.0) for _ in range(2))
-        print(f"closed-loop capacity (32 clients): {closed:.1f} req/s; open loop:", flush=True)
-        capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
+        if args.capacity > 0:  # given: builds compared at the same offered rate
+            closed, capacity = 0.0, args.capacity
+        else:
+            closed = max(capacity_rps(url, target, 5.0) for _ in range(2))
+            print(f"closed-loop capacity (32 clients): {closed:.1f} req/s; open loop:", flush=True)
+            capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
         if capacity <= 0:
             raise SystemExit("not even 0.2x the closed-loop rate was sustained: machine too busy")
         print(f"open-loop capacity {capacity:.1f} req/s; overload {args.factor:g}x = "
@@ -201,6 +204,12 @@ def report(found: dict[str, object], args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--factor", type=float, default=3.0)
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        default=0.0,
+        help="req/s taken as capacity instead of measuring it (0: measure)",
+    )
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--slo-ms", type=float, default=100.0)
     parser.add_argument("--configs", default="shipped,adaptive")

@@ -21,6 +21,9 @@ class InferResult:
     queue_s: float  # submit -> dispatch of the batch that answered it
     compute_s: float  # the dispatch call of that batch
     batch_size: int  # rows in that batch
+    # The `Fulcrum-Route` header: the lane taken (laned models only); keyword-only, so subclasses
+    # (CachedResult) keep their positional fields.
+    route: str | None = field(default=None, kw_only=True)
 
 
 class QueuedRequest(Pending):

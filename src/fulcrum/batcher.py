@@ -78,6 +78,32 @@ class DynamicBatcher:
         return len(self._queue)
 
     @property
+    def num_queued_rows(self) -> int:
+        """Rows waiting in the queue (the lane router's estimate counts them)."""
+        return self._queue.num_rows
+
+    def is_full(self, priority: int | None = None) -> bool:
+        """True when a request at this priority would be refused: its level's queue is full."""
+        level = self._queue.level_of(priority)
+        bound = self._queue.bound(level)
+        return bool(bound) and self._queue.depth(level) >= bound
+
+    def early_refusal(self, priority: int | None, age_s: float = 0.0) -> Unavailable | None:
+        """The 503 a one-row request at `priority` would get now (QueueFull or Shed), decided
+        before its body is read or decoded, so that refusing under overload costs far less than
+        serving. None: it may be admitted; its rows and own timeout decide in `submit`, which
+        refuses a superset of what this refuses (more rows, an earlier deadline)."""
+        if not self._batched or self._stopping or self._loop_task is None:
+            return None  # `submit` says why, in full
+        now = self._clock.now()
+        probe = Pending(1, None, now, origin_s=now - max(0.0, age_s))
+        full = self._queue.place(probe, priority)
+        if full is not None:
+            return full
+        retry_after_s = self._policy.on_arrival(self._queue, probe, now)
+        return None if retry_after_s is None else _shed_error(retry_after_s)
+
+    @property
     def num_in_flight(self) -> int:
         """Requests in batches being run."""
         return self._num_in_flight

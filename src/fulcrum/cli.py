@@ -17,6 +17,7 @@ from typing import Any
 from fulcrum import __version__
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+MIB = 1024 * 1024
 log = logging.getLogger("fulcrum.cli")
 
 
@@ -31,9 +32,12 @@ def _admin_token(flag: str | None) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        return _serve_ray(args)
     import uvicorn
 
     from fulcrum.server.app import LOOPBACK, create_app
+    from fulcrum.server.early_refusal import EarlyRefusal
     from fulcrum.server.limits import EdgeLimits, protocol_with
     from fulcrum.service import Service, ServiceSettings
 
@@ -43,6 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         load_models=tuple(args.model) if args.model else None,
         freeze_gc_after_start=True,
+        memory_budget_bytes=None if args.memory_budget_mb is None else args.memory_budget_mb * MIB,
     )
     service = Service.from_repository(Path(args.repository), settings)
     app = create_app(service, admin_token=_admin_token(args.admin_token),
@@ -51,8 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_header_bytes=args.max_header_kb * 1024, max_headers=args.max_headers,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
     )  # fmt: skip
+    protocol = protocol_with(limits, EarlyRefusal(service))
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, loop="uvloop", http=protocol_with(limits),
+        app, host=args.host, port=args.port, loop="uvloop", http=protocol,
         access_log=False, log_level=args.log_level.lower(),
         timeout_graceful_shutdown=math.ceil(args.drain_timeout), lifespan="on",
     )  # fmt: skip
@@ -83,6 +89,18 @@ def _serve(args: argparse.Namespace) -> int:
 
     Server(config).run()
     return 0
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    from fulcrum.ray.run import RayServeOptions, serve_on_ray
+    from fulcrum.server.app import LOOPBACK
+
+    return serve_on_ray(RayServeOptions(
+        repository=args.repository, models=tuple(args.model or ()), host=args.host,
+        port=args.port, address=args.address, admin_token=_admin_token(args.admin_token),
+        admin_open=args.host in LOOPBACK, drain_timeout_s=args.drain_timeout,
+        max_body_mb=args.max_body_mb,
+    ))  # fmt: skip
 
 
 def _examples(args: argparse.Namespace) -> int:
@@ -153,8 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds from the end of the headers to the end of the body",
     )
+    serve.add_argument(
+        "--memory-budget-mb",
+        type=_positive(int),
+        default=os.environ.get("FULCRUM_MEMORY_BUDGET_MB"),
+        help="memory the loaded models may take together (measured at each load); a load past "
+        "it first unloads the least recently used idle models (env FULCRUM_MEMORY_BUDGET_MB; "
+        "default: no budget)",
+    )
     serve.add_argument("--admin-token", help="Bearer token for the management API "
                        "(required for it on a non-loopback address)")  # fmt: skip
+    serve.add_argument("--ray", action="store_true", help="deploy on a Ray Serve "
+                       "cluster (fulcrum-serve[ray]), a deployment per model")  # fmt: skip
+    serve.add_argument("--address", help="with --ray: the cluster's address (default: start "
+                       "a local one)")  # fmt: skip
     serve.set_defaults(func=_serve)
 
     examples = sub.add_parser("examples", help="write the example model repository")

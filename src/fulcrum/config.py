@@ -15,7 +15,10 @@ import msgspec
 from fulcrum.cache.settings import CacheSettings, validate_cache
 from fulcrum.datatypes import DATATYPES
 from fulcrum.errors import ConfigError
+from fulcrum.lifecycle.settings import LifecycleSettings, validate_lifecycle
 from fulcrum.parameters import check_parameters
+from fulcrum.routing.settings import RoutingSettings, validate_routing
+from fulcrum.scale import ScaleSettings, validate_scale
 
 PLATFORMS = ("onnx", "torch", "python", "echo", "llm")
 # Matched whole (`fullmatch`): `$` would accept a trailing newline. The leading letter or digit
@@ -118,6 +121,8 @@ class VariantFigures(_Frozen, frozen=True):
     throughput_rps: float | None = None  # rows per second at the knee
     fidelity: float | None = None  # agreement with the reference variant (metric below)
     fidelity_metric: str = ""  # "cosine", "top1", "accuracy", "token_agreement", ...
+    perplexity_ratio: float | None = None  # LLMs: variant / reference perplexity on a text
+    output_tokens_per_s: float | None = None  # LLMs: generated tokens/s at knee_batch sequences
     reference: str = ""  # the variant the fidelity was measured against
     measured_at: str = ""  # ISO date of the measurement
     machine: str = ""  # where it was measured (CPU model, GPU)
@@ -132,6 +137,16 @@ class Variant(_Frozen, frozen=True):
     load: bool = True  # False: declared (and measured) but not loaded by the repository
     description: str = ""
     figures: VariantFigures = VariantFigures()
+
+
+class Lane(_Frozen, frozen=True):
+    """A lane (`[lanes.<name>]`): its own instances and batcher over one variant; a key left
+    out takes the model's value (see `fulcrum.lanes`)."""
+
+    variant: str = ""  # "": the model's default variant
+    instances: Instances | None = None
+    threads: int = 0  # intra-op threads of each instance; 0: the variant's own setting
+    dynamic_batching: DynamicBatching | None = None
 
 
 class ModelConfig(_Frozen, frozen=True, kw_only=True):
@@ -151,6 +166,11 @@ class ModelConfig(_Frozen, frozen=True, kw_only=True):
     variants: dict[str, Variant] = {}
     default_variant: str = ""  # "": the first variant listed
     cache: CacheSettings | None = None  # no `[cache]` table: no result caching
+    scale: ScaleSettings = ScaleSettings()  # replicas on Ray Serve (fulcrum.ray)
+    lifecycle: LifecycleSettings = LifecycleSettings()  # scale to zero; none: always loaded
+    lanes: dict[str, Lane] = {}  # none: one batcher per variant, as before
+    default_lane: str = ""  # "": the first lane listed
+    routing: RoutingSettings = RoutingSettings()  # A/B, shadow, cascade (fulcrum.routing)
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -260,6 +280,13 @@ def validate(config: ModelConfig) -> None:
     _validate_variants(config)
     if config.cache is not None:
         validate_cache(config.cache)
+    validate_scale(config.scale)
+    validate_lifecycle(config.lifecycle)
+    validate_routing(config)
+    if config.lanes or config.default_lane:
+        from fulcrum.lanes.settings import validate_lanes  # it imports this module
+
+        validate_lanes(config)
 
 
 def _validate_variants(config: ModelConfig) -> None:

@@ -3,10 +3,12 @@ once at the edge from headers (both APIs) and read by the service, the router an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from fulcrum.errors import DeadlineExceeded, InvalidInput
 
@@ -106,3 +108,23 @@ def _tenant_of_key(headers: Mapping[str, str]) -> str | None:
 def internal_context(api: str = "internal") -> RequestContext:
     """A context for calls that do not come over HTTP (tools, tests, the service itself)."""
     return RequestContext(request_id=uuid.uuid4().hex, tenant=DEFAULT_TENANT, api=api)
+
+
+def with_parameter(
+    ctx: RequestContext, name: Literal["variant", "lane"], value: object
+) -> RequestContext:
+    """The context with a v2 request parameter that may also come as a header (`variant`,
+    `lane`): a non-empty name that never contradicts the header."""
+    if value is None:
+        return ctx
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"parameter '{name}' must be a {name} name, got {value!r}")
+    given = getattr(ctx, name)
+    if given is not None and given != value:
+        header = f"X-Fulcrum-{name.capitalize()}"
+        raise InvalidInput(
+            f"parameter '{name}' = {value!r} contradicts header {header} = {given!r}"
+        )
+    if name == "lane":
+        return dataclasses.replace(ctx, lane=value)
+    return dataclasses.replace(ctx, variant=value)

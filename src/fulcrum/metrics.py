@@ -4,6 +4,7 @@ unloaded version's series go with it."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Protocol
 
@@ -17,6 +18,8 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 OUTCOMES = ("success", "invalid_input", "queue_full", "shed", "timeout", "model_error",
             "unavailable", "error")  # fmt: skip
 SHED_REASONS = ("queue_full", "deadline")  # refused at admission; deadline out of reach
+# A cold start runs from a few milliseconds (echo) to minutes (an LLM's weights and kernels).
+COLD_START_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class GaugeSource(Protocol):
@@ -90,7 +93,13 @@ class ServerMetrics:
         self.shed = Counter("fulcrum_shed_requests",
                             "Requests refused with 503 before they ran, by reason.",
                             (*labels, "reason"), registry=r)  # fmt: skip
+        self.lane_routes = Counter(
+            "fulcrum_lane_routes",
+            "Requests by lane taken and outcome: routed (its home lane), spilled (home lane "
+            "saturated), failed_over (home lane down), refused (503; lane: the home lane).",
+            ("model", "lane", "outcome"), registry=r)  # fmt: skip
         self._series: dict[tuple[str, str, str], _Series] = {}
+        self.lifecycle = LifecycleMetrics(r)
 
     def for_model(self, model: str, version: int, variant: str = "default") -> ModelMetrics:
         """A lease on one version's series (label children bound once, so the hot path does no
@@ -132,6 +141,42 @@ class ServerMetrics:
             self.requests.remove(*key, outcome)
         for reason in SHED_REASONS:
             self.shed.remove(*key, reason)
+
+
+class LifecycleMetrics:
+    """Scale to zero and the memory budget, per model (only models of the repository: a junk
+    name never reaches a load, so never makes a series)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.cold_start_s = Histogram("fulcrum_model_cold_start_seconds",
+                                      "Time from a request finding its model unloaded to the "
+                                      "model loaded.", ("model",),
+                                      buckets=COLD_START_BUCKETS_S, registry=r)  # fmt: skip
+        self.cold_start_failures = Counter("fulcrum_model_cold_start_failures",
+                                           "Loads started by a request that failed.",
+                                           ("model",), registry=r)  # fmt: skip
+        self.unloads = Counter("fulcrum_model_unloads",
+                               "Models the server unloaded, by reason (idle, memory_budget).",
+                               ("model", "reason"), registry=r)  # fmt: skip
+        self.memory_bytes = Gauge("fulcrum_model_memory_bytes",
+                                  "Memory measured at the model's load; 0 while unloaded.",
+                                  ("model",), registry=r, multiprocess_mode="livesum")  # fmt: skip
+        self.budget_bytes = Gauge("fulcrum_memory_budget_bytes",
+                                  "The server's memory budget for models (0: none).",
+                                  registry=r, multiprocess_mode="max")  # fmt: skip
+        self.used_bytes = Gauge("fulcrum_memory_used_bytes",
+                                "Memory of the loaded models, as measured at their loads.",
+                                registry=r, multiprocess_mode="livesum")  # fmt: skip
+
+    def forget(self, model: str) -> None:
+        """Drop a model's series: the user unloaded it (a parked model keeps them)."""
+        for family in (self.cold_start_s, self.cold_start_failures, self.memory_bytes):
+            with contextlib.suppress(KeyError):  # a series it never had
+                family.remove(model)
+        for reason in ("idle", "memory_budget"):
+            with contextlib.suppress(KeyError):
+                self.unloads.remove(model, reason)
 
 
 class ModelMetrics:

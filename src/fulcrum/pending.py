@@ -142,19 +142,12 @@ class PendingQueue:
 
     def admit(self, item: Pending, *, priority: int | None, timeout_s: float | None) -> None:
         """Queue `item`, or raise InvalidInput (bad priority/timeout) or QueueFull (at once)."""
-        level = self.level_of(priority)
-        bound = self._bounds[level - 1]
-        if bound and self._num_live[level - 1] >= bound:
-            raise QueueFull(
-                f"queue for priority level {level} is full ({bound} requests waiting)",
-                retry_after_s=self.retry_after_s,
-            )
+        full = self.place(item, priority)
+        if full is not None:
+            raise full
+        level = item.level
         timeout = self.timeout_of(level, timeout_s)
-        item.level = level
-        item.timeout_action = self._policies[level - 1].timeout_action
         item.seq = seq = next(self._seq)
-        if self.slo_s > 0:
-            item.due_s = item.origin_s + self.slo_s
         if timeout is not None:
             item.deadline_s = deadline_s = item.enqueue_s + timeout
             item.due_s = min(item.due_s, deadline_s)
@@ -167,6 +160,22 @@ class PendingQueue:
         self._num_total += 1
         self.num_rows += item.num_rows
         self._level_rows[level - 1] += item.num_rows
+
+    def place(self, item: Pending, priority: int | None) -> QueueFull | None:
+        """Give `item` its level, queue policy and SLO due time without queueing it; the
+        QueueFull its level's bound gives it now, else None (InvalidInput: a bad priority)."""
+        level = self.level_of(priority)
+        bound = self._bounds[level - 1]
+        if bound and self._num_live[level - 1] >= bound:
+            return QueueFull(
+                f"queue for priority level {level} is full ({bound} requests waiting)",
+                retry_after_s=self.retry_after_s,
+            )
+        item.level = level
+        item.timeout_action = self._policies[level - 1].timeout_action
+        if self.slo_s > 0:
+            item.due_s = item.origin_s + self.slo_s
+        return None
 
     def live(self) -> Iterator[Pending]:
         """Live items in service order: per level (1 first), on-time items, then DELAY-expired."""

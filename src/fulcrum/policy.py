@@ -7,7 +7,8 @@ fake clock and without sleeps. The batcher (the async shell) owns the only insta
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+import heapq
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,6 +106,10 @@ class BatchPolicy(Protocol):
     def state(self) -> dict[str, object]:
         """The policy's current state for the statistics API and metrics (JSON-ready)."""
 
+    def estimate_finish_s(self, num_queued_rows: int, num_rows: int, now: float) -> float:
+        """Predicted seconds from `now` until a new request of `num_rows` rows, queued behind
+        `num_queued_rows` rows, has run (the lane router's view of this batcher)."""
+
 
 def make_policy(config: ModelConfig) -> BatchPolicy:
     """The policy `[dynamic_batching] policy` names ("triton" when there is none)."""
@@ -142,8 +147,12 @@ class TritonPolicy:
         slo_s = batching.slo_p99_ms / 1000 if batching else 0.0
         self.derived = DerivedBound(config.instances.count, slo_s)
         self._limit = self.max_batch_size if self.batched else 1
+        self.num_instances = config.instances.count
+        self._busy_until: list[float] = []  # predicted ends of running batches (min-heap)
 
     def observe(self, record: BatchRecord) -> None:
+        if self._busy_until:
+            heapq.heappop(self._busy_until)
         if record.failed:  # a failure's time says nothing about the model's speed
             return
         self.model.observe(record.batch_size, record.compute_s)
@@ -156,6 +165,22 @@ class TritonPolicy:
     def on_arrival(self, queue: PendingQueue, item: Pending, now: float) -> float | None:
         """Static rules refuse only at the queue bound (the queue itself does that)."""
         return None
+
+    def estimate_finish_s(self, num_queued_rows: int, num_rows: int, now: float) -> float:
+        """The queue in full batches and the running batches spread over the instances, the
+        queue delay (it may wait that long for company), then its own batch."""
+        full, rest = divmod(num_queued_rows, self._limit)
+        work_s = sum(max(0.0, end_s - now) for end_s in self._busy_until)
+        work_s += full * self.model.predict(self._limit)
+        work_s += self.model.predict(rest) if rest else 0.0
+        own_s = self.max_queue_delay_s + self.model.predict(num_rows)
+        return work_s / self.num_instances + own_s
+
+    def _started(self, items: Sequence[Pending], now: float) -> None:
+        busy = self._busy_until
+        heapq.heappush(busy, now + self.model.predict(sum(i.num_rows for i in items)))
+        if len(busy) > self.num_instances:  # a batch dropped unrun (all cancelled) never ends
+            heapq.heappop(busy)
 
     def state(self) -> dict[str, object]:
         fit = self.model.fit()
@@ -176,6 +201,7 @@ class TritonPolicy:
         if not self.batched:
             head = next(queue.live())
             queue.take((head,))
+            self._started((head,), now)
             return Plan(run=(head,), reject=rejected)
         scan = self._scan(queue)
         delay_s = self.max_queue_delay_s
@@ -191,6 +217,7 @@ class TritonPolicy:
                 wake_at_s = min(wake_at_s, next_deadline_s)
             return Plan(reject=rejected, wake_at_s=wake_at_s)
         queue.take(run)
+        self._started(run, now)
         return Plan(run=tuple(run), reject=rejected)
 
     def _scan(self, queue: PendingQueue) -> _Scan:

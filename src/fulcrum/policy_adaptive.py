@@ -122,8 +122,17 @@ class AdaptivePolicy:
         rather than a wait that ends in one. Retry-After is the whole queue's drain time."""
         if not self.model.trusted or item.timeout_action == "delay":
             return None
-        drain_s = self.drain_s(queue.rows_through(item.level), now)
-        if now + self.arrival_margin * drain_s <= item.due_s:
+        through = queue.rows_through(item.level)
+        ahead = max(0, through - item.num_rows)
+        if ahead == 0 and self._starved(now):
+            return None  # nothing ahead and no batch for a while: it runs now, as a probe
+        # The margin weighs the work ahead (gaps between batches, a busy loop), not its own
+        # batch: alone on an idle instance, a request is refused only when the fit says it
+        # cannot make it at all.
+        drain_s = self.drain_s(through, now)
+        if ahead:
+            drain_s += (self.arrival_margin - 1.0) * self.drain_s(ahead, now)
+        if now + drain_s <= item.due_s:
             return None
         self.num_shed += 1
         self._shed_since_start += 1

@@ -83,6 +83,9 @@ class ModelEntry:
     state: str = "UNAVAILABLE"
     reason: str = ""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Unloaded by the server (idle, memory budget), not by the user: its next request loads it.
+    parked: bool = False
+    override: dict[str, object] | None = None  # the last load's config override, kept for a wake
 
 
 def available_versions(model_dir: Path) -> list[int]:
@@ -154,6 +157,11 @@ class ModelRepository:
         if entry is None or entry.config is None or not entry.versions:
             if entry is not None and entry.state == "LOADING":
                 raise Unavailable(f"model '{name}' is loading")
+            if entry is not None and entry.parked:
+                raise Unavailable(
+                    f"model '{name}' is unloaded (idle or memory budget): a request to run it "
+                    "loads it"
+                )
             raise NotFound(f"model '{name}' is not loaded")
         if version is None:
             version = max(entry.versions)
@@ -183,14 +191,23 @@ class ModelRepository:
                 failed.append(name)
         return failed
 
-    async def load(self, name: str, config_override: dict[str, object] | None = None) -> None:
+    async def load(
+        self, name: str, config_override: dict[str, object] | None = None, *, wake: bool = False
+    ) -> None:
         """Load or reload `name`. New versions start before old ones stop, so a reload under
-        load fails no request; if any new version fails, the old versions keep serving."""
+        load fails no request; if any new version fails, the old versions keep serving.
+        A parked model's reload only takes its new config, which its next request (`wake`) loads."""
         entry = self._entries.get(check_name(name))
         if entry is None:
             self._config_path(name)  # NotFound before any entry exists: no row for a stranger
             entry = self._entries.setdefault(name, ModelEntry(name))
         async with entry.lock:
+            if entry.parked and not entry.versions and not wake:
+                entry.config = self.read_config(name, config_override)
+                entry.override = config_override
+                return
+            if wake:  # the config it was parked with, override and all
+                config_override = entry.override
             previous_state = entry.state
             entry.state = "LOADING" if not entry.versions else entry.state
             try:
@@ -202,17 +219,63 @@ class ModelRepository:
             old = entry.versions
             entry.config, entry.versions = config, started
             entry.state, entry.reason = "READY", ""
+            entry.parked, entry.override = False, config_override
         await _stop_all(v for k, v in old.items() if started.get(k) is not v)
 
     async def unload(self, name: str) -> None:
         """Stop every version of `name`; in-flight requests finish first."""
         entry = self._entries.get(check_name(name))
-        if entry is None or not entry.versions:
+        if entry is None or not (entry.versions or entry.parked):
             raise NotFound(f"model '{name}' is not loaded")
-        async with entry.lock:
+        async with entry.lock:  # after a wake under way: what it loaded goes too
             old, entry.versions = entry.versions, {}
             entry.state, entry.reason = "UNAVAILABLE", "unloaded"
+            entry.parked = False  # unloaded by the user: traffic no longer loads it
         await _stop_all(old.values())
+
+    async def park(self, name: str, reason: str) -> bool:
+        """Unload `name` so that its next request loads it again (scale to zero, the memory
+        budget); False, with nothing done, while it is not loaded or a load of it runs."""
+        entry = self._entries.get(name)
+        if entry is None or not entry.versions or entry.lock.locked():
+            return False
+        # Swapped out before any await: a caller that saw nothing in flight sees no request
+        # reach these servables in between.
+        old, entry.versions = entry.versions, {}
+        entry.parked = True
+        entry.state, entry.reason = "UNAVAILABLE", f"unloaded ({reason})"
+        await _stop_all(old.values())
+        return True
+
+    def park_unloaded(self, name: str, reason: str) -> None:
+        """Register `name` as parked without loading it (it does not fit the memory budget at
+        start-up): its config is read and checked now, its first request loads it."""
+        config = self.read_config(check_name(name), None)
+        entry = self._entries.setdefault(name, ModelEntry(name))
+        entry.config, entry.parked = config, True
+        entry.state, entry.reason = "UNAVAILABLE", f"unloaded ({reason})"
+
+    def config_of(self, name: str) -> ModelConfig | None:
+        """The config of a loaded or parked model (None: neither)."""
+        entry = self._entries.get(name)
+        return None if entry is None or not (entry.versions or entry.parked) else entry.config
+
+    def is_loading(self, name: str) -> bool:
+        """A load, reload or unload of `name` is under way."""
+        entry = self._entries.get(name)
+        return entry is not None and entry.lock.locked()
+
+    def is_parked(self, name: str) -> bool:
+        entry = self._entries.get(name)
+        return entry is not None and entry.parked and not entry.versions
+
+    def parked(self) -> list[ModelConfig]:
+        """The configs of the parked models (their next request loads them)."""
+        return [e.config for e in self._entries.values() if e.parked and e.config is not None]
+
+    def version_folders(self, config: ModelConfig) -> list[Path]:
+        """The folders of the versions a load of `config` would start."""
+        return [self.root / config.name / str(v) for v in self._versions(config)]
 
     async def close(self) -> None:
         """Unload everything."""
@@ -225,6 +288,13 @@ class ModelRepository:
         if not config_path.is_file():
             raise NotFound(f"model '{name}' has no config.toml in the repository")
         return config_path
+
+    def read_config(self, name: str, override: dict[str, object] | None) -> ModelConfig:
+        """The config a load would use, checked as far as possible without starting it."""
+        config = load_model_config(self._config_path(name), dir_name=name)
+        config = apply_override(config, override) if override else config
+        self._versions(config)  # a missing version folder fails now, not at the wake
+        return config
 
     async def _prepare(
         self, name: str, override: dict[str, object] | None

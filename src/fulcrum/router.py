@@ -1,5 +1,6 @@
-"""The routing seam: which model version and lane serve a request. The default serves what was
-asked; lanes, spill-over and A/B choose here later, for both APIs."""
+"""The routing seam: which model version and lane serve a request, for both APIs. The direct
+router serves what was asked; `fulcrum.lanes.LaneRouter` (the service's default) adds lanes,
+spill-over and failover."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fulcrum.context import RequestContext
+
+ROUTE_HEADER = "Fulcrum-Route"  # the lane a laned model's request took, and why
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +20,8 @@ class Route:
     version: int | None
     lane: str | None = None
     variant: str | None = None  # None: the model's default variant
+    header: str | None = None  # the `Fulcrum-Route` response header (laned, A/B models)
+    arm: str | None = None  # the A/B arm the split chose (fulcrum.routing.ab); None: no split
 
 
 class Router(Protocol):

@@ -9,7 +9,7 @@ from pathlib import Path
 from fulcrum.backends import create_backend
 from fulcrum.batcher import BatchRecord, DynamicBatcher, InferResult
 from fulcrum.config import ModelConfig
-from fulcrum.errors import FulcrumError, QueueFull, Shed
+from fulcrum.errors import FulcrumError, QueueFull, Shed, Unavailable
 from fulcrum.instances import InstancePool
 from fulcrum.metrics import ModelMetrics, outcome_of
 from fulcrum.policy_adaptive import AdaptivePolicy
@@ -80,6 +80,16 @@ class BatchServable:
         """Requests waiting in the batcher's queue (a gauge)."""
         return self.batcher.queue_depth
 
+    def estimate_finish_s(self, num_rows: int, now: float) -> float:
+        """Predicted seconds from `now` (time.monotonic) until a new request of `num_rows` rows
+        would be answered: the rows queued ahead and the running batches, then its own batch."""
+        batcher = self.batcher
+        return batcher.policy.estimate_finish_s(batcher.num_queued_rows, num_rows, now)
+
+    def is_full(self, priority: int | None = None) -> bool:
+        """True when a request at this priority would be refused now: its queue is full."""
+        return self.batcher.is_full(priority)
+
     @property
     def num_admitted(self) -> int:
         """Requests admitted and not yet answered (a gauge)."""
@@ -102,11 +112,7 @@ class BatchServable:
                 inputs, priority=priority, timeout_s=timeout_s, age_s=age_s
             )
         except FulcrumError as exc:
-            self.stats.record_failure(time.perf_counter() - start)
-            self.metrics.outcomes[outcome_of(exc.status_code, type(exc).__name__)].inc()
-            if isinstance(exc, QueueFull | Shed):
-                self.stats.shed[exc.reason] += 1
-                self.metrics.shed[exc.reason].inc()
+            self._count_failure(exc, time.perf_counter() - start)
             raise
         finally:
             self._num_admitted -= 1
@@ -123,6 +129,21 @@ class BatchServable:
         m.compute_s.observe(result.compute_s)
         m.outcomes["success"].inc()
         return result
+
+    def early_refusal(self, priority: int | None, age_s: float) -> Unavailable | None:
+        """The 503 a one-row request would get now, before its body is read (`DynamicBatcher.
+        early_refusal`), counted in statistics and metrics as the same refusal in `infer` is."""
+        refusal = self.batcher.early_refusal(priority, age_s)
+        if refusal is not None:
+            self._count_failure(refusal, 0.0)
+        return refusal
+
+    def _count_failure(self, exc: FulcrumError, seconds: float) -> None:
+        self.stats.record_failure(seconds)
+        self.metrics.outcomes[outcome_of(exc.status_code, type(exc).__name__)].inc()
+        if isinstance(exc, QueueFull | Shed):
+            self.stats.shed[exc.reason] += 1
+            self.metrics.shed[exc.reason].inc()
 
     def _on_batch(self, record: BatchRecord) -> None:
         if not record.failed:  # Triton counts successful executions only

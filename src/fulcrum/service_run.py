@@ -6,7 +6,6 @@ inputs, parameters) and the servable's load identity."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from fulcrum.cache.llm import plan_generation as plan_generation_of
 from fulcrum.cache.metrics import CacheCollector
 from fulcrum.cache.registry import CacheRegistry
 from fulcrum.cache.tiered import CachedResult, CacheRequest, CacheStatus
-from fulcrum.context import DEFAULT_TENANT, RequestContext
+from fulcrum.context import DEFAULT_TENANT, RequestContext, with_parameter
 from fulcrum.embeddings import embedding_spec
 from fulcrum.errors import InvalidInput
 from fulcrum.protocol import validate_inputs
@@ -54,7 +53,7 @@ CACHE_API = "cache"
 # a 64 MiB request would otherwise hold the event loop for tens of milliseconds.
 LARGE_INPUT_BYTES = 1 << 20
 # Request parameters that say how to answer, not what: they stay out of the key.
-TRANSPORT_PARAMETERS = frozenset({"variant"})
+TRANSPORT_PARAMETERS = frozenset({"variant", "lane"})
 
 
 async def run_batch(
@@ -210,6 +209,7 @@ class Embeddings:
     version: int
     prompt_tokens: int
     cache: CacheStatus | None = None  # None: the model has no cache
+    route: str | None = None  # the `Fulcrum-Route` header (laned models only)
 
 
 def cache_status(results: list[InferResult]) -> CacheStatus | None:
@@ -225,16 +225,7 @@ def cache_status(results: list[InferResult]) -> CacheStatus | None:
 def with_variant(ctx: RequestContext, variant: object) -> RequestContext:
     """The context with the request's `variant` parameter (v2); it may not contradict the
     X-Fulcrum-Variant header."""
-    if variant is None:
-        return ctx
-    if not isinstance(variant, str) or not variant:
-        raise InvalidInput(f"parameter 'variant' must be a variant name, got {variant!r}")
-    if ctx.variant is not None and ctx.variant != variant:
-        raise InvalidInput(
-            f"parameter 'variant' = {variant!r} contradicts header X-Fulcrum-Variant = "
-            f"{ctx.variant!r}"
-        )
-    return dataclasses.replace(ctx, variant=variant)
+    return with_parameter(ctx, "variant", variant)
 
 
 def serves_embeddings(config: ModelConfig) -> bool:

@@ -88,6 +88,7 @@ class RowStream:
 
     def __init__(self, version: int, spans: list[RowSpan], tasks: list[asyncio.Task[InferResult]]):
         self.version = version
+        self.route: str | None = None  # the `Fulcrum-Route` header (laned models only)
         self.spans = spans
         self.num_rows = sum(span.num_rows for span in spans)
         self._tasks = tasks

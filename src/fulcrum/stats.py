@@ -129,3 +129,24 @@ class ModelStats:
                 for size, d in sorted(self.batches.items())
             ],
         }
+
+
+@dataclass
+class LifecycleStats:
+    """Beyond Triton: a model's scale-to-zero record, kept while it is unloaded (a new version's
+    `ModelStats` start from zero; these do not)."""
+
+    cold_start: Duration = field(default_factory=Duration)  # loads a request waited for
+    cold_start_failures: int = 0
+    idle_unloads: int = 0
+    evictions: int = 0  # unloaded to fit another model in the memory budget
+    memory_bytes: int = 0  # measured at the last load
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "cold_start": self.cold_start.to_json(),
+            "cold_start_failures": self.cold_start_failures,
+            "idle_unloads": self.idle_unloads,
+            "evictions": self.evictions,
+            "memory_bytes": self.memory_bytes,
+        }

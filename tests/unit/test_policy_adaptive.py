@@ -199,6 +199,34 @@ def test_a_fit_too_pessimistic_to_run_anything_is_corrected_by_probe_batches() -
     assert len(shed_late) < 0.02 * len(served_late)  # recovered: serving, not shedding
 
 
+def test_a_fit_that_refuses_every_arrival_still_lets_a_probe_through() -> None:
+    # Refused on arrival, nothing is ever queued, so no plan can probe: after an SLO of
+    # refusals with nothing ahead, an arrival is let in and runs as the probe.
+    config = make_config()
+    queue, policy = PendingQueue(config), AdaptivePolicy(config)
+    warm(policy, lambda rows, now: 25 * linear(rows))
+    assert policy.plan(queue, 0.0).run == ()  # the batcher's first look, at start
+    first = Pending(1, "k", 0.01)
+    queue.admit(first, priority=None, timeout_s=None)
+    assert policy.on_arrival(queue, first, 0.01) is not None  # 62.5 ms alone > 50 ms SLO
+    queue.take((first,))
+    later = Pending(1, "k", 0.07)
+    queue.admit(later, priority=None, timeout_s=None)
+    assert policy.on_arrival(queue, later, 0.07) is None
+    assert policy.plan(queue, 0.07).run == (later,)
+    assert policy.num_probes == 1
+
+
+def test_the_arrival_margin_weighs_the_work_ahead_not_the_request_itself() -> None:
+    config = make_config()
+    queue, policy = PendingQueue(config), AdaptivePolicy(config)
+    warm(policy)
+    policy.arrival_margin = 3.0
+    alone = Pending(1, "k", 0.0)
+    queue.admit(alone, priority=None, timeout_s=0.003)  # due in 3 ms; alone it takes 2.5
+    assert policy.on_arrival(queue, alone, 0.0) is None
+
+
 def test_a_hopeless_head_is_still_shed_while_batches_keep_running() -> None:
     # A probe is for a starved fit only: with batches starting, a request that cannot make its
     # deadline is shed, never run late in place of requests that can.

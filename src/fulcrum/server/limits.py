@@ -25,7 +25,13 @@ from fulcrum.errors import FulcrumError, HeadersTooLarge, RequestTimeout, Unavai
 from fulcrum.server.http import error_body
 
 if TYPE_CHECKING:
-    from uvicorn._types import ASGI3Application, ASGIReceiveCallable, ASGISendCallable, Scope
+    from uvicorn._types import (
+        ASGI3Application,
+        ASGIReceiveCallable,
+        ASGISendCallable,
+        HTTPScope,
+        Scope,
+    )
 
 log = logging.getLogger(__name__)
 # After an error answer the server half-closes and reads (and drops) what the client still
@@ -58,6 +64,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     """One HTTP/1.1 connection with header limits, read timeouts and a 503 on forced shutdown."""
 
     limits: ClassVar[EdgeLimits] = EdgeLimits()
+    # Each may answer a request head at once (an overloaded model's 503); None: run the app.
+    gates: ClassVar[tuple[Callable[[HTTPScope], ASGI3Application | None], ...]] = ()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._in_head = True  # the next bytes belong to a request head
@@ -159,6 +167,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().shutdown()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        for gate in self.gates:
+            try:
+                refusing = gate(cycle.scope)
+            except Exception:  # a bug in a gate must not cost the request: the app answers
+                log.exception("request gate failed")
+                refusing = None
+            if refusing is not None:
+                app = refusing
+                break
         super()._start_asgi_task(cycle, self._answer_if_cut_off(cycle, app))
 
     def _answer_if_cut_off(
@@ -291,11 +308,16 @@ def _error_bytes(
     return b"".join([*lines, b"\r\n", content])
 
 
-def protocol_with(limits: EdgeLimits) -> type[LimitedHttpProtocol]:
-    """A protocol class bound to `limits`, for `uvicorn.Config(http=...)`."""
+def protocol_with(
+    limits: EdgeLimits,
+    early_refusal: Callable[[HTTPScope], ASGI3Application | None] | None = None,
+) -> type[LimitedHttpProtocol]:
+    """A protocol class bound to `limits` (and a gate that may answer a head at once, see
+    `server.early_refusal`), for `uvicorn.Config(http=...)`."""
 
     class BoundHttpProtocol(LimitedHttpProtocol):
         pass
 
     BoundHttpProtocol.limits = limits
+    BoundHttpProtocol.gates = () if early_refusal is None else (early_refusal,)
     return BoundHttpProtocol

@@ -21,6 +21,7 @@ from fulcrum.protocol.stream import (
     encode_error_event,
     encode_rows_event,
 )
+from fulcrum.router import ROUTE_HEADER
 from fulcrum.server.http import (
     Endpoint,
     endpoint,
@@ -130,6 +131,8 @@ class V2Api:
             f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}, "
             f"batch;desc={result.batch_size}"
         )
+        if result.route is not None:
+            headers[ROUTE_HEADER] = result.route
         if isinstance(result, CachedResult):
             headers[CACHE_HEADER] = result.cache
             headers["Server-Timing"] += f", cache;dur={result.cache_s * 1e3:.3f}"
@@ -159,7 +162,10 @@ class V2Api:
                 log.exception("stream of %s failed", request.url.path)
                 yield encode_error_event("internal server error", 500)
 
-        return _EventStream(events(), on_close=stream.aclose)
+        response = _EventStream(events(), on_close=stream.aclose)
+        if stream.route is not None:
+            response.headers[ROUTE_HEADER] = stream.route
+        return response
 
     async def statistics(self, request: Request) -> Response:
         ctx = request_context(request, "v2")
