@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from fulcrum.llm.loader import load_checkpoint
+from fulcrum.llm.params import EngineParams
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.sync_engine import LLMEngine
 
@@ -105,3 +107,32 @@ def run_staggered(
             tokens[output.request_id] += output.new_token_ids
         step += 1
     return [tokens[str(i)] for i in range(len(prompts))]
+
+
+# Small blocks and budget for a dozen prompts of up to ~90 tokens: the staggered run chunks the
+# longest prompts, preempts (224 token slots) and hits the prefix cache.
+STAGGERED = EngineParams(
+    block_size=4,
+    num_kv_blocks=56,
+    max_num_batched_tokens=24,
+    max_num_seqs=6,
+    enable_prefix_caching=True,
+)
+
+
+def check_staggered(
+    directory: Path,
+    prompts: list[list[int]],
+    sampling: SamplingParams,
+    check: Callable[[list[int], list[int]], None],
+) -> None:
+    """Run `prompts` staggered into one engine over `directory` with STAGGERED's settings and
+    `check(prompt, tokens)` each answer; asserts the run really chunked, preempted and hit the
+    prefix cache (give some prompts a shared prefix of two full blocks)."""
+    engine = LLMEngine(load_checkpoint(directory), STAGGERED)
+    assert max(len(p) for p in prompts) > STAGGERED.max_num_batched_tokens
+    outputs = run_staggered(engine, prompts, sampling)  # one arrival every third step
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.stats.num_hits > 0
+    for prompt, tokens in zip(prompts, outputs, strict=True):
+        check(prompt, tokens)

@@ -19,7 +19,7 @@ from fulcrum.llm.loader import load_checkpoint
 from fulcrum.llm.params import EngineParams
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.sync_engine import LLMEngine
-from llm_oracle_runs import Reference, random_prompts, run_alone, run_staggered
+from llm_oracle_runs import Reference, check_staggered, random_prompts, run_alone
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,20 +200,9 @@ def test_alone_matches_transformers(reference: Reference) -> None:
 
 
 def test_staggered_chunked_preempted_and_cached_match_transformers(reference: Reference) -> None:
-    params = EngineParams(
-        block_size=4,
-        num_kv_blocks=56,  # 224 token slots for 12 sequences of up to ~90 tokens: preemption
-        max_num_batched_tokens=24,  # below the longest prompts: chunked prefill
-        max_num_seqs=6,
-        enable_prefix_caching=True,
-    )
-    engine = LLMEngine(load_checkpoint(reference.directory), params)
     # Half share a 9-token system prompt (two full blocks): cache hits after the first, at
     # prompt lengths below and above the trained 32 of the dynamic and longrope cases.
     prompts = _prompts(6, seed=2, shared_prefix_len=9) + _prompts(6, seed=3)
-    assert max(len(p) for p in prompts) > params.max_num_batched_tokens
-    outputs = run_staggered(engine, prompts, _greedy())  # one arrival every third step
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.stats.num_hits > 0
-    for prompt, tokens in zip(prompts, outputs, strict=True):
-        _assert_matches(reference, prompt, tokens)
+    check_staggered(
+        reference.directory, prompts, _greedy(), lambda p, t: _assert_matches(reference, p, t)
+    )
