@@ -118,6 +118,16 @@ class GenerativeFacade:
             return stream
         return watch_generation(self.routing.metrics, call.model, arm, stream, shadow)
 
+    def generation_route(self, ctx: RequestContext, call: LLMCall) -> str | None:
+        """The `Fulcrum-Route` header of a generation: its A/B arm (`ab=<arm>`), None without
+        a split (or when the request chose its variant itself)."""
+        try:
+            config = self._repository.get(call.model, call.version)[0]
+        except FulcrumError:
+            return None
+        arm = split_arm(ctx, call.model, None, config.routing.ab)
+        return None if arm is None else f"ab={arm}"
+
     def _shadow(
         self, config: ModelConfig, call: LLMCall, variant: str | None, sampling: SamplingParams
     ) -> ShadowHook | None:

@@ -68,10 +68,18 @@ async def test_the_split_picks_a_variant_and_counts_its_tokens(service: Service)
             response = await client.post("/v1/completions", json=GREEDY,
                                          headers={"X-Fulcrum-AB-Key": key_for("b")})  # fmt: skip
             assert response.status_code == 200, response.text
+            assert response.headers["Fulcrum-Route"] == "ab=b"
+        streamed = await client.post("/v1/completions", json={**GREEDY, "stream": True},
+                                     headers={"X-Fulcrum-AB-Key": key_for("a")})  # fmt: skip
+        assert streamed.headers["Fulcrum-Route"] == "ab=a"
+        chosen = await client.post("/v1/completions", json=GREEDY,
+                                   headers={"X-Fulcrum-Variant": "b"})  # fmt: skip
+        assert "Fulcrum-Route" not in chosen.headers  # outside the split
         metrics = (await client.get("/metrics")).text
     assert 'fulcrum_ab_requests_total{arm="b",model="tiny",outcome="success"} 2.0' in metrics
     assert 'fulcrum_ab_rows_total{arm="b",model="tiny"} 10.0' in metrics  # 2 x 5 tokens
-    assert 'arm="a"' not in metrics
+    # The streamed one on arm a; the one that named variant b is outside the split.
+    assert 'fulcrum_ab_requests_total{arm="a",model="tiny",outcome="success"} 1.0' in metrics
 
 
 async def test_greedy_generations_are_shadowed_on_the_reference(service: Service) -> None:

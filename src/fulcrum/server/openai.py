@@ -146,7 +146,9 @@ class _OpenAIApi:
 
         # The result cache answers before admission, so its header precedes the first byte.
         plan = await self.service.plan_generation(ctx, calls, sampling, n, body.cache_salt)
-        headers = {} if plan is None else {CACHE_HEADER: plan.status}
+        headers: dict[str, str] = {} if plan is None else {CACHE_HEADER: plan.status}
+        if (route := self.service.generation_route(ctx, calls[0])) is not None:
+            headers[ROUTE_HEADER] = route  # the A/B arm, as v2 answers say it
 
         def start(call: LLMCall, params: SamplingParams, choice_id: str) -> Choice:
             def live() -> Choice:
