@@ -196,6 +196,36 @@ def report(results: dict[str, list[dict[str, float]]], slo_ms: float) -> None:
                   f"{r['bulk_ratio']:>6.2f} {r['bulk_ratio_same_precision']:>9.2f}")  # fmt: skip
 
 
+def plot(results: dict[str, list[dict[str, float]]], slo_ms: float, path: Path) -> None:
+    """Two panels per config, one point per repeat: the interactive P99 against the SLO, and
+    bulk rows/s over the best single config's (after `report` has computed the ratios)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (p99_ax, bulk_ax) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for x, name in enumerate(names):
+        runs = results[name]
+        p99 = [min(r["p99_ms"], 10 * slo_ms) for r in runs]  # "inf" (failures) drawn at the top
+        p99_ax.scatter([x] * len(runs), p99, color="tab:blue")
+        bulk_ax.scatter([x] * len(runs), [r["bulk_ratio"] for r in runs], color="tab:green")
+    p99_ax.axhline(slo_ms, color="red", linewidth=0.8, label=f"SLO {slo_ms:g} ms")
+    p99_ax.set_yscale("log")
+    p99_ax.set_ylabel("interactive P99 (ms)")
+    p99_ax.set_title("minilm lanes: interactive P99 and bulk throughput, each repeat")
+    bulk_ax.axhline(0.9, color="red", linewidth=0.8, label="0.9 x best single config")
+    bulk_ax.set_ylabel("bulk rows/s / best single")
+    bulk_ax.set_xticks(range(len(names)), names, rotation=20)
+    for ax in (p99_ax, bulk_ax):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
@@ -209,6 +239,7 @@ def main() -> int:
     add("--bulk-concurrency", type=int, default=2)
     add("--only", action="append", default=[], help="configs to run (default: all)")
     add("--out", type=Path, help="write the figures here as JSON")
+    add("--plot", type=Path, help="draw P99 and bulk ratio per config and repeat here (PNG)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="lanes-bench-") as tmp:
         root = Path(tmp)
@@ -228,6 +259,8 @@ def main() -> int:
                     results[name].append(figures)
                     print(f"  repeat {rep + 1} {name}: {json.dumps(figures)}", flush=True)
         report(results, args.slo_ms)
+        if args.plot is not None:
+            plot(results, args.slo_ms, args.plot)
         if args.out is not None:
             args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                             "results": results}, indent=2))  # fmt: skip
