@@ -37,6 +37,21 @@ class Reference:
         self._before = before_generate
         self._cache: dict[tuple[int, ...], list[int]] = {}
 
+    def sampling(self) -> SamplingParams:
+        """The engine's settings for the same greedy continuation."""
+        return SamplingParams(max_tokens=self.num_new_tokens, temperature=0.0, ignore_eos=True)
+
+    def assert_matches(
+        self, prompt: list[int], got: list[int], *, min_compared: int | None = None
+    ) -> None:
+        """The engine's tokens equal transformers' up to the first near-tie, which may cut the
+        comparison to `min_compared` tokens (default: none may be cut)."""
+        expected = self.greedy(prompt)
+        least = self.num_new_tokens if min_compared is None else min_compared
+        assert len(expected) >= least, "near-ties cut the comparison short: pick another seed"
+        assert got[: len(expected)] == expected
+        assert len(got) == self.num_new_tokens
+
     def greedy(self, prompt: list[int]) -> list[int]:
         """transformers' tokens, cut before the first near-tie."""
         key = tuple(prompt)

@@ -16,7 +16,6 @@ import torch
 from fulcrum.llm.examples import write_tokenizer
 from fulcrum.llm.loader import load_checkpoint
 from fulcrum.llm.params import EngineParams
-from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.sync_engine import LLMEngine
 from llm_oracle_runs import Reference, check_staggered, random_prompts, run_alone
 
@@ -159,28 +158,17 @@ def _prompts(num: int, seed: int, *, shared_prefix_len: int = 0) -> list[list[in
     return random_prompts(num, seed, VOCAB_SIZE, shared_prefix_len=shared_prefix_len)
 
 
-def _greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def _assert_matches(reference: Reference, prompt: list[int], got: list[int]) -> None:
-    expected = reference.greedy(prompt)
-    assert len(expected) == NUM_NEW_TOKENS, "a near-tie: pick another seed in SEEDS"
-    assert got[: len(expected)] == expected
-    assert len(got) == NUM_NEW_TOKENS
-
-
 def test_alone_matches_transformers(reference: Reference) -> None:
     engine = LLMEngine(load_checkpoint(reference.directory), EngineParams(num_kv_blocks=64))
     prompts = _prompts(4, seed=1)
     assert max(len(p) for p in prompts) > WINDOW + 16  # past the window and longrope's 32
-    for prompt, tokens in zip(prompts, run_alone(engine, prompts, _greedy()), strict=True):
-        _assert_matches(reference, prompt, tokens)
+    for prompt, tokens in zip(
+        prompts, run_alone(engine, prompts, reference.sampling()), strict=True
+    ):
+        reference.assert_matches(prompt, tokens)
 
 
 def test_staggered_chunked_preempted_and_cached_match_transformers(reference: Reference) -> None:
     # Half share a 9-token system prompt (two full blocks): cache hits after the first.
     prompts = _prompts(6, seed=2, shared_prefix_len=9) + _prompts(6, seed=3)
-    check_staggered(
-        reference.directory, prompts, _greedy(), lambda p, t: _assert_matches(reference, p, t)
-    )
+    check_staggered(reference.directory, prompts, reference.sampling(), reference.assert_matches)
