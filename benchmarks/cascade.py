@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/cascade.py [--requests 400] [--concurrency 4]
         [--thresholds 0.5,0.8,0.95] [--small-dim 64] [--big-dim 768] [--out FILE]
+    .venv/bin/python benchmarks/cascade.py --llm [...]   # two LLMs over the OpenAI API:
+                                                        # see benchmarks/cascade_llm.py
 
 In process (one `Service`, python backend, no HTTP): `small` is a one-layer scorer (a
 `small-dim` matmul per row) whose per-row `confidence` is the request's own value x, drawn
@@ -20,6 +22,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -122,7 +125,12 @@ async def main(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--llm" in sys.argv:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from cascade_llm import main as llm_main
+
+    llm_main([a for a in sys.argv[1:] if a != "--llm"])
+elif __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=4)

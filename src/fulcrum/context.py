@@ -37,6 +37,7 @@ class RequestContext:
     variant: str | None = None  # None: the model's default variant
     received_s: float | None = None  # time.monotonic() when it reached the server; SLOs count
     # from here, so time spent reading and decoding the body is not hidden from the batch policy
+    num_rows: int = 1  # rows it carries (v2 batch rows, embedding inputs): the lane estimate's
 
     def remaining_s(self, now_s: float) -> float | None:
         """Seconds left before the deadline (None: no deadline); 504 once it has passed."""

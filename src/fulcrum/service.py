@@ -37,7 +37,7 @@ from fulcrum.router import Route, Router
 from fulcrum.routing.ab import AbRouter
 from fulcrum.routing.cascade import check_compatible, run_cascade
 from fulcrum.routing.metrics import RoutingMetrics
-from fulcrum.routing.serving import RoutingHooks, check_cascade, shadow_reference
+from fulcrum.routing.serving import RoutingHooks, check_cascade, num_rows, shadow_reference
 from fulcrum.servable import BatchServable
 from fulcrum.service_generative import GenerativeFacade
 from fulcrum.service_llm import LLMCall as LLMCall  # re-exported: the routes name it
@@ -271,6 +271,7 @@ class Service(GenerativeFacade):
         """The context with the request's variant and lane parameters and its timeout."""
         ctx = with_lane(with_variant(ctx, request.parameters.get("variant")),
                         request.parameters.get("lane"))  # fmt: skip
+        ctx = dataclasses.replace(ctx, num_rows=num_rows(request.inputs))  # the lane estimate's
         return with_timeout(ctx, request.timeout_s, time.monotonic())
 
     async def infer_stream(
@@ -310,6 +311,7 @@ class Service(GenerativeFacade):
         through the model's batcher like any v2 request; usage counts the model's tokens."""
         self._check_open()
         await self._lifecycle.ensure_loaded(ctx, name)
+        ctx = dataclasses.replace(ctx, num_rows=max(1, len(texts)))  # the lane estimate's
         route = self.router.route(ctx, name, None)
         servable = self._batch_model(route)
         spec = embedding_spec(servable.config)
@@ -366,6 +368,7 @@ class Service(GenerativeFacade):
             for s in batch_servables(loaded)  # a laned variant: one row per lane
             if (name is None or c.name == name) and (version is None or v == version)
         ]
+        rows += self.generative_stats_rows(name, version)  # beyond Triton
         if name is not None and not rows and not self._repository.is_parked(name):
             self._repository.get(name, version)  # raises NotFound with the right message
         for row in rows:  # beyond Triton: the model's cache tiers and scale-to-zero record

@@ -6,11 +6,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fulcrum.cache.llm_semantic import ChatSource, CompletionSource
 from fulcrum.errors import FulcrumError, NotFound
 from fulcrum.llm.chat import DEFAULT_OPTIONS, ChatOptions
 from fulcrum.routing.ab import split_arm
 from fulcrum.routing.generation import ShadowHook, generation_shadow, watch_generation
+from fulcrum.routing.generation_cascade import (
+    FirstAnswer,
+    judge,
+    record,
+    scoring_params,
+    then_context,
+)
 from fulcrum.service_llm import LLMCall, LLMServable, generate, prepare_chat, prepare_prompt
+from fulcrum.service_openai import admit_choices
 from fulcrum.service_run import plan_generation, serves_embeddings
 from fulcrum.variants import default_variant
 
@@ -28,6 +37,7 @@ if TYPE_CHECKING:
     from fulcrum.repository import ModelRepository
     from fulcrum.router import Router
     from fulcrum.routing.serving import RoutingHooks
+    from fulcrum.routing.settings import CascadeSettings
     from fulcrum.service import ServiceSettings
 
 
@@ -128,6 +138,62 @@ class GenerativeFacade:
         arm = split_arm(ctx, call.model, None, config.routing.ab)
         return None if arm is None else f"ab={arm}"
 
+    def generation_cascade(self, call: LLMCall) -> CascadeSettings | None:
+        """The `[routing.cascade]` of the model a prepared call runs on (None: it has none)."""
+        try:
+            return self._repository.get(call.model, call.version)[0].routing.cascade
+        except FulcrumError:
+            return None
+
+    async def first_answer(
+        self,
+        ctx: RequestContext,
+        settings: CascadeSettings,
+        calls: list[LLMCall],
+        sampling: SamplingParams,
+        num_choices: int,
+        request_id: str,
+        *,
+        priority: int | None = None,
+        cache_salt: str | None = None,
+    ) -> FirstAnswer:
+        """A cascade's first model answers every choice whole, with logprobs, and is judged
+        (the decision is counted); its result cache is not used (it keeps no logprobs)."""
+
+        def start(
+            call: LLMCall, params: SamplingParams, choice_id: str
+        ) -> AsyncIterator[RequestOutput]:
+            return self.generate(ctx, call, params, request_id=choice_id, priority=priority,
+                                 cache_salt=cache_salt)  # fmt: skip
+
+        scoring = scoring_params(sampling)
+        outputs = admit_choices(start, calls, scoring, num_choices, request_id)
+        answer = await judge(outputs, settings, num_choices=len(calls) * num_choices,
+                             keep_logprobs=sampling.logprobs is not None)  # fmt: skip
+        record(self.routing.metrics, calls[0].model, answer)
+        return answer
+
+    async def escalate_calls(
+        self, ctx: RequestContext, then: str, calls: list[LLMCall]
+    ) -> list[LLMCall]:
+        """A cascade's prompts prepared again on its second model `then` (its own default
+        variant, tokenizer and chat template): text and chat prompts are tokenised anew, a
+        token-id prompt is passed as it is (it means the same only with the same vocabulary)."""
+        ctx = then_context(ctx)
+        prepared: list[LLMCall] = []
+        for call in calls:
+            source = call.source
+            if isinstance(source, ChatSource):
+                messages = [dict(m) for m in source.messages]
+                prepared.append(await self.prepare_chat(ctx, then, messages, source.options))
+            elif isinstance(source, CompletionSource):
+                prepared.append(await self.prepare_prompt(
+                    ctx, then, source.text, add_special_tokens=source.add_special_tokens
+                ))  # fmt: skip
+            else:
+                prepared.append(await self.prepare_prompt(ctx, then, list(call.token_ids)))
+        return prepared
+
     def _shadow(
         self, config: ModelConfig, call: LLMCall, variant: str | None, sampling: SamplingParams
     ) -> ShadowHook | None:
@@ -160,6 +226,17 @@ class GenerativeFacade:
         `Fulcrum-Cache` header, `plan.open(start, id)` its stream (None: the model has none)."""
         self._check_open()
         return await plan_generation(self.caches, ctx, calls, sampling, num_choices, cache_salt)
+
+    def generative_stats_rows(self, name: str | None, version: int | None) -> list[dict[str, Any]]:
+        """A statistics row per loaded generative model variant: its name, version and variant,
+        for the sections the service adds (routing, cache, lifecycle); its token figures (TTFT,
+        TPOT, tokens) are Prometheus histograms on /metrics."""
+        return [
+            {"name": c.name, "version": str(v), "variant": loaded.variant}
+            for c, v, loaded in self._repository.loaded()
+            if isinstance(loaded, LLMServable)
+            and (name is None or c.name == name) and (version is None or v == version)
+        ]  # fmt: skip
 
     def generative_models(self) -> list[dict[str, Any]]:
         """Model cards of the generative and embedding models, for /v1/models."""

@@ -318,3 +318,26 @@ async def test_an_unloaded_model_leaves_no_route_series(
         'fulcrum_lane_routes_total{lane="realtime",model="scaled"'
         not in (await client.get("/metrics")).text
     )
+
+
+class RowsSeen:
+    """A router in front of the service's own, recording each request's row count."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.rows: list[int] = []
+
+    def route(self, ctx: Any, model: str, version: int | None) -> Any:
+        self.rows.append(ctx.num_rows)
+        return self.inner.route(ctx, model, version)
+
+
+async def test_the_router_is_told_each_requests_rows(
+    client: httpx.AsyncClient, service: Service
+) -> None:
+    seen = service.router = RowsSeen(service.router)
+    tensor = {"name": "x", "datatype": "FP32", "shape": [5, 1], "data": [1.0] * 5}
+    assert served_scale(await infer(client, {"inputs": [tensor]})) in (1.0, 8.0)
+    texts = {"model": "text", "input": ["a", "b", "c"]}
+    assert (await client.post("/v1/embeddings", json=texts)).status_code == 200
+    assert seen.rows == [5, 3]

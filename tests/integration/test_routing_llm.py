@@ -100,3 +100,20 @@ async def test_greedy_generations_are_shadowed_on_the_reference(service: Service
     assert shadow["agreement_mean"] < 1.0
     assert 'fulcrum_shadow_agreement_count{model="tiny",reference="a"} 1.0' in metrics
     assert 'fulcrum_ab_requests_total{arm="a",model="tiny",outcome="success"} 1.0' in metrics
+
+
+async def test_arms_and_shadow_agreement_are_in_the_statistics_api(service: Service) -> None:
+    transport = httpx.ASGITransport(app=create_app(service, manage_lifespan=False))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        response = await client.post("/v1/completions", json=GREEDY,
+                                     headers={"X-Fulcrum-AB-Key": key_for("b")})  # fmt: skip
+        assert response.status_code == 200, response.text
+        await service.routing.shadows.wait()
+        rows = (await client.get("/v2/models/tiny/stats")).json()["model_stats"]
+    # One row per loaded variant, as for batch models; the routing section is the model's.
+    assert sorted((r["name"], r["version"], r["variant"]) for r in rows) == [
+        ("tiny", "1", "a"), ("tiny", "1", "b")]  # fmt: skip
+    routing = rows[0]["routing"]
+    assert routing["ab"]["b"]["success"] == 1 and routing["ab"]["b"]["rows"] == 5
+    assert routing["shadow"]["compared"] == 1 and routing["shadow"]["reference"] == "a"
+    assert 0.0 <= routing["shadow"]["agreement_mean"] < 1.0

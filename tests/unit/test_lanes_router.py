@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from fulcrum.config import DynamicBatching, Lane, ModelConfig, Variant
@@ -154,3 +155,38 @@ def test_a_model_without_lanes_is_served_as_asked_and_refuses_a_lane(setup: Setu
 def test_an_unknown_model_is_the_repositorys_404(setup: Setup) -> None:
     with pytest.raises(NotFound):
         setup.route("other")
+
+
+class RowLane(FakeLane):
+    """A lane whose estimate grows with the request's rows (a fixed cost plus a cost per row)."""
+
+    def __init__(self, fixed_s: float, per_row_s: float) -> None:
+        super().__init__()
+        self.fixed_s, self.per_row_s = fixed_s, per_row_s
+        self.rows_asked: list[int] = []
+
+    def estimate_finish_s(self, num_rows: int, now: float) -> float:
+        self.rows_asked.append(num_rows)
+        return self.fixed_s + self.per_row_s * num_rows
+
+
+def test_a_large_request_spills_where_a_one_row_request_would_not(setup: Setup) -> None:
+    # Budget 0.6 s: home is bulk (the loosest SLO within it). One row there takes 0.11 s; 64
+    # rows take 0.74 s, past the deadline, so they spill to realtime (0.065 s for 64 rows).
+    bulk, realtime = RowLane(0.1, 0.01), RowLane(0.001, 0.001)
+    setup.lanes.update(bulk=bulk, realtime=realtime)
+    one = setup.route(deadline_s=100.6)
+    assert one.header == "lane=bulk; by=deadline"
+    many = setup.route(deadline_s=100.6, num_rows=64)
+    assert many.header == "lane=realtime; by=deadline; spilled-from=bulk"
+    assert bulk.rows_asked == [1, 64]
+
+
+def test_an_unbatched_models_request_is_one_row(setup: Setup) -> None:
+    lane = RowLane(0.1, 0.01)
+    setup.lanes.update(bulk=lane, realtime=RowLane(0.1, 0.01))
+    unbatched = msgspec.structs.replace(CONFIG, max_batch_size=0)
+    router = LaneRouter(lambda m, v: LaneTable(unbatched, setup.lanes, {"realtime": 0.02,
+                                                                       "bulk": 0.5}))  # fmt: skip
+    router.route(RequestContext("r", "t", "v2", num_rows=64), "m", None)
+    assert lane.rows_asked == [1]  # its first dimension is not rows

@@ -68,6 +68,10 @@ cascade = { then = "big", score_output = "x", threshold = 0.8 }
         ('[routing.cascade]\nthen = "big"\nscore_output = "x"\nthreshold = inf',
          "key 'routing.cascade.threshold' = inf"),
         ('[routing.cascade]\nthen = "big"\nscore_output = "x"', "routing.cascade"),
+        ('[routing.cascade]\nthen = "big"\nthreshold = 0.5',
+         "key 'routing.cascade.score_output' = ''"),
+        ('[routing.cascade]\nthen = "big"\nscore_output = "x"\nthreshold = 0.5\n'
+         'score = "min_logprob"', "key 'routing.cascade.score' = 'min_logprob'"),
     ],
 )  # fmt: skip
 def test_each_error_names_its_key(tmp_path: Path, table: str, key: str) -> None:
@@ -89,4 +93,23 @@ def test_a_generative_model_takes_a_split_by_variant_only(tmp_path: Path) -> Non
     ):
         with pytest.raises(ConfigError) as caught:
             load(tmp_path, table, LLM)
+        assert key in caught.value.message
+
+
+def test_a_generative_cascade_is_scored_by_its_logprobs(tmp_path: Path) -> None:
+    table = '[routing.cascade]\nthen = "big"\nthreshold = -1.5'
+    default = load(tmp_path, table, LLM).routing.cascade
+    assert default is not None and default.generation_score == "mean_logprob"
+    chosen = load(tmp_path, table + '\nscore = "min_logprob"', LLM).routing.cascade
+    assert chosen is not None and chosen.generation_score == "min_logprob"
+    for bad, key in (
+        ('[routing.cascade]\nthen = "big"\nthreshold = 0.5',
+         "key 'routing.cascade.threshold' = 0.5"),
+        ('[routing.cascade]\nthen = "big"\nthreshold = -1\nscore = "perplexity"',
+         "routing.cascade.score"),
+        ('[routing.cascade]\nthen = "big"\nscore_output = "x"\nthreshold = -1',
+         "key 'routing.cascade.score_output' = 'x'"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError) as caught:
+            load(tmp_path, bad, LLM)
         assert key in caught.value.message

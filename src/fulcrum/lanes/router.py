@@ -79,6 +79,8 @@ class LaneRouter:
 
     def _choose(self, ctx: RequestContext, table: LaneTable, now: float) -> Choice:
         config = table.config
+        # A batched model's request runs as its rows: 64 rows finish later than one.
+        num_rows = max(1, ctx.num_rows) if config.max_batch_size > 0 else 1
         states = [
             LaneState(
                 name,
@@ -86,7 +88,7 @@ class LaneRouter:
                 table.slo_s[name],
                 servable.is_ready,
                 servable.is_full(ctx.priority),
-                servable.estimate_finish_s(1, now),
+                servable.estimate_finish_s(num_rows, now),
             )
             for name, servable in table.lanes.items()
             if ctx.variant is None or lane_variant(config, name) == ctx.variant

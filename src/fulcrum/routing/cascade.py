@@ -44,9 +44,17 @@ def should_escalate(scores: list[float], settings: CascadeSettings) -> bool:
 
 def check_compatible(first: ModelConfig, then: ModelConfig) -> None:
     """The second model takes the first one's inputs and gives its outputs (all but the score
-    output): same names, datatypes and shapes, and both batched or both not."""
+    output): same names, datatypes and shapes, and both batched or both not. A generative
+    model's second model is generative too (its prompts are prepared again on it)."""
     key = "key 'routing.cascade.then'"
     where = f"{key} = {then.name!r}: incompatible with model '{first.name}'"
+    if first.platform == "llm":  # generations compare by text: any two LLMs fit
+        if then.platform != "llm":
+            raise ConfigError(
+                f"{where}: a generative model cascades to a generative model (platform 'llm'), "
+                f"not to platform {then.platform!r}"
+            )
+        return
     if (first.max_batch_size > 0) != (then.max_batch_size > 0):
         raise ConfigError(f"{where}: one model is batched (max_batch_size > 0), the other not")
     if then.platform == "llm":

@@ -13,6 +13,9 @@ from fulcrum.metrics import LATENCY_BUCKETS_S
 from fulcrum.stats import to_ns
 
 UNIT_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))  # agreement and scores in 0..1
+# A generative answer's score: a mean or minimum token logprob (nats, <= 0)
+LOGPROB_BUCKETS = (-8.0, -6.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.25, -1.0, -0.75, -0.5, -0.25,
+                   -0.1, 0.0)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -93,6 +96,10 @@ class RoutingMetrics:
                                ("model", "then", "decision"), registry=r)  # fmt: skip
         self.scores = Histogram("fulcrum_cascade_score", "The first model's score of each row.",
                                 ("model",), buckets=UNIT_BUCKETS, registry=r)  # fmt: skip
+        self.logprob_scores = Histogram(
+            "fulcrum_cascade_logprob_score",
+            "A generative first model's score of each choice (mean or minimum token logprob).",
+            ("model",), buckets=LOGPROB_BUCKETS, registry=r)  # fmt: skip
         self._models: dict[str, ModelRouting] = {}
         self._series: set[tuple[Counter | Histogram, tuple[str, ...]]] = set()
 
@@ -131,12 +138,16 @@ class RoutingMetrics:
         stats.agreement_sum += agreement
         self._observe(self.agreement, agreement, model, reference)
 
-    def record_cascade(self, model: str, then: str, decision: str, scores: list[float]) -> None:
+    def record_cascade(
+        self, model: str, then: str, decision: str, scores: list[float], *, logprobs: bool = False
+    ) -> None:
+        """One decision and its scores (`logprobs`: a generative model's, in nats)."""
         cascade = self.model(model).cascade
         cascade[decision] = cascade.get(decision, 0) + 1
         self._inc(self.cascade, model, then, decision)
+        family = self.logprob_scores if logprobs else self.scores
         for score in scores:
-            self._observe(self.scores, score, model)
+            self._observe(family, score, model)
 
     def forget(self, model: str) -> None:
         """Drop an unloaded model's series and statistics."""

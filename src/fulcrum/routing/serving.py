@@ -57,7 +57,7 @@ class RoutingHooks:
                 self.metrics.record_arm(route.model, route.arm, ok=False, seconds=0.0, rows=0)
             raise
         if route.arm is not None:
-            rows = _num_rows(inputs) if servable.config.max_batch_size > 0 else 1
+            rows = num_rows(inputs) if servable.config.max_batch_size > 0 else 1
             seconds = time.perf_counter() - start_s
             self.metrics.record_arm(route.model, route.arm, ok=True, seconds=seconds, rows=rows)
         shadow = servable.config.routing.shadow
@@ -76,7 +76,8 @@ def _is_reference(route: Route, servable: BatchServable, shadow: ShadowSettings)
     return variant == shadow.variant
 
 
-def _num_rows(inputs: TensorMap) -> int:
+def num_rows(inputs: TensorMap) -> int:
+    """The rows of a batched model's request: its first input's first dimension."""
     first = next(iter(inputs.values()), None)
     return 1 if first is None or first.ndim == 0 else int(first.shape[0])
 

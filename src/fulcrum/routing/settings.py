@@ -43,14 +43,24 @@ class ShadowSettings(_Table, frozen=True):
     timeout_ms: float = 30_000.0  # a shadow that takes longer is abandoned (counted as failed)
 
 
+CascadeScore = Literal["mean_logprob", "min_logprob"]
+
+
 class CascadeSettings(_Table, frozen=True):
-    """`[routing.cascade]`: this model answers first; a request with a row whose score is not
-    confident runs whole on model `then`, whose answer is returned."""
+    """`[routing.cascade]`: this model answers first; a request with a row (a batch model) or a
+    choice (a generative model) whose score is not confident runs whole on model `then`, whose
+    answer is returned."""
 
     then: str
-    score_output: str
     threshold: float
+    score_output: str = ""  # a batch model: the output holding each row's score
+    # A generative model: how its answer's token logprobs make one score ("": mean_logprob)
+    score: Literal["", "mean_logprob", "min_logprob"] = ""
     higher_is_confident: bool = True
+
+    @property
+    def generation_score(self) -> CascadeScore:
+        return self.score or "mean_logprob"
 
 
 class RoutingSettings(_Table, frozen=True):
@@ -130,16 +140,37 @@ def _validate_shadow(config: ModelConfig, shadow: ShadowSettings) -> None:
 
 
 def _validate_cascade(config: ModelConfig, cascade: CascadeSettings) -> None:
-    if config.platform == "llm":
-        raise ConfigError("key 'routing.cascade': a cascade serves batch models (KServe v2)")
     if not _MODEL_NAME_RE.fullmatch(cascade.then) or cascade.then == config.name:
         raise ConfigError(
             f"key 'routing.cascade.then' = {cascade.then!r}: name another model of the repository"
+        )
+    if not math.isfinite(cascade.threshold):
+        raise ConfigError(f"key 'routing.cascade.threshold' = {cascade.threshold}: must be finite")
+    if config.platform == "llm":
+        _validate_generation_cascade(cascade)
+        return
+    if cascade.score:
+        raise ConfigError(
+            f"key 'routing.cascade.score' = {cascade.score!r}: a batch model is scored by its "
+            "`score_output`; `score` is for generative models"
         )
     names = [t.name for t in config.outputs]
     if cascade.score_output not in names:
         raise ConfigError(
             f"key 'routing.cascade.score_output' = {cascade.score_output!r}: not an output {names}"
         )
-    if not math.isfinite(cascade.threshold):
-        raise ConfigError(f"key 'routing.cascade.threshold' = {cascade.threshold}: must be finite")
+
+
+def _validate_generation_cascade(cascade: CascadeSettings) -> None:
+    """A generative model is scored by its own token logprobs: no score output, and a threshold
+    a logprob (<= 0) can reach on both sides."""
+    if cascade.score_output:
+        raise ConfigError(
+            f"key 'routing.cascade.score_output' = {cascade.score_output!r}: a generative model "
+            "is scored by its token logprobs; choose `score` (mean_logprob or min_logprob)"
+        )
+    if cascade.threshold > 0:
+        raise ConfigError(
+            f"key 'routing.cascade.threshold' = {cascade.threshold}: a generative model's score "
+            "is a token logprob (<= 0), e.g. -1.0 for a geometric-mean token probability of 0.37"
+        )
