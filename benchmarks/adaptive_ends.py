@@ -8,10 +8,13 @@ load); any `--variant NAME:KEY=VALUE,...` (more copies, e.g. `spin:parameters.al
 true` to see what one setting contributes); and memory_at_rest.py's bare FastAPI + ONNX Runtime
 app, here with ONNX Runtime's default session options (threads = cores, spinning on).
 
-Light load: Poisson at 2, 5 and 10 requests/s, P50 and P99. Mid load: 50% and 80% of the shipped
-config's closed-loop capacity, each repeated --repeats times (P99 of each and their spread). Then
-the highest Poisson rate whose P99 (a failure counting as late) is <= the SLO, by the load
-generator's bisection (`max_rate_under`), for each server.
+Light load: Poisson at 2, 5 and 10 requests/s, P50 and P99, each --light-repeats times. Mid
+load: 50% and 80% of the shipped config's closed-loop capacity, each repeated --repeats times (P99
+of each and their spread). Then the highest Poisson rate whose P99 (a failure counting as late)
+is <= the SLO, by the load generator's bisection (`max_rate_under`), for each server, in turn,
+--search-repeats times. Every repeat runs all servers before the next repeat starts, so a drift
+of the shared machine reaches every server alike. Last, each server's CPU seconds over --idle-s
+seconds with no requests (all servers idle at once).
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corpus import sentences
@@ -59,6 +65,10 @@ def add_ends_args(parser: argparse.ArgumentParser) -> None:
     add("--repeats", type=int, default=3, help="repeats of each mid-load rate")
     add("--search-s", type=float, default=5.0, help="seconds per point of the rate search")
     add("--no-search", action="store_true", help="skip the max-rate-under search")
+    add("--light-repeats", type=int, default=1, help="repeats of each light-load rate")
+    add("--search-repeats", type=int, default=1, help="repeats of the max-rate search")
+    add("--search-start", type=float, help="the search's first rate (default: half capacity)")
+    add("--idle-s", type=float, default=30.0, help="seconds of idle CPU measured (0: skip)")
     add("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
         help="one more Fulcrum server with these config.toml overrides")  # fmt: skip
 
@@ -76,7 +86,14 @@ class Server:
     url: str
     requests: list[PreparedRequest]
     points: dict[str, list[PointResult]] = field(default_factory=dict)
-    max_rate: float | None = None
+    max_rates: list[float | None] = field(default_factory=list)
+    idle_cpu_s: float | None = None
+
+    @property
+    def max_rate(self) -> float | None:
+        """The median of the searches' rates (a search that found none counts as 0)."""
+        rates = sorted(r or 0.0 for r in self.max_rates)
+        return rates[len(rates) // 2] if rates else None
 
 
 def bare_requests(url: str, texts: list[str]) -> list[PreparedRequest]:
@@ -166,7 +183,8 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
         capacity = run_async(open_loop_capacity(target, shipped.url, "minilm", closed))
         print(f"capacity of the shipped config: {capacity:.1f} req/s open loop "
               f"({closed:.1f} closed loop)", flush=True)  # fmt: skip
-        plan = [(f"{r:g} rps", r, args.light_s, 0) for r in light]
+        plan = [(f"{r:g} rps", r, args.light_s, k) for k in range(args.light_repeats)
+                for r in light]  # fmt: skip
         plan += [(f"{f:.0%} cap", f * capacity, args.mid_s, k) for k in range(args.repeats)
                  for f in mid]  # fmt: skip
         for label, rate, seconds, k in plan:
@@ -175,13 +193,39 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
                 server.points.setdefault(label, []).append(p)
                 print(f"  {server.name:34} {label:>8} ({rate:5.1f}/s) P50 {p.latency.p50_ms:6.1f}"
                       f" P99 {p.latency.p99_ms:7.1f} ms errors {p.errors}", flush=True)  # fmt: skip
-        if not args.no_search:
+        for _ in range(0 if args.no_search else args.search_repeats):
             for server in all_servers:
-                server.max_rate = search(server, max(8.0, 0.5 * capacity), args.search_s, slo)
-                print(f"  {server.name}: max rate with P99 <= {args.slo_ms:g} ms: "
-                      f"{server.max_rate}", flush=True)  # fmt: skip
+                start = args.search_start or max(8.0, 0.5 * capacity)
+                best = search(server, start, args.search_s, slo)
+                server.max_rates.append(best)
+                print(f"  {server.name}: max rate with P99 <= {args.slo_ms:g} ms: {best}",
+                      flush=True)  # fmt: skip
+        if args.idle_s > 0:
+            idle_cpu(all_servers, args.idle_s)
     ends_report(all_servers, capacity, args)
     return 0
+
+
+def idle_cpu(all_servers: list[Server], seconds: float) -> None:
+    """Each server's CPU seconds (all its threads) over `seconds` with no requests at all."""
+    procs = {s.name: _listener(s.url) for s in all_servers}
+    before = {name: _cpu_s(p) for name, p in procs.items()}
+    time.sleep(seconds)  # the measurement itself: every server sits idle this long
+    for server in all_servers:
+        server.idle_cpu_s = _cpu_s(procs[server.name]) - before[server.name]
+
+
+def _listener(url: str) -> psutil.Process:
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            return psutil.Process(conn.pid)
+    raise RuntimeError(f"no process listens on port {port}")
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
 
 
 def ends_report(all_servers: list[Server], capacity: float, args: argparse.Namespace) -> None:
@@ -190,7 +234,7 @@ def ends_report(all_servers: list[Server], capacity: float, args: argparse.Names
         f"\ncapacity {capacity:.1f} req/s; P50 / P99 ms of the answered requests (each repeat "
         "for mid-load rates); (miss): P99 over the SLO once a 503 or a timeout counts as late"
     )
-    print("| server | " + " | ".join(labels) + " | max rate P99<=SLO |")
+    print("| " + " | ".join(["server", *labels, "max rate P99<=SLO"]) + " |")
     print("|---|" + "---:|" * (len(labels) + 1))
     for server in all_servers:
         cells = []
@@ -201,15 +245,24 @@ def ends_report(all_servers: list[Server], capacity: float, args: argparse.Names
                                    + ("" if p.slo_met else " (miss)")
                                    for p in points))  # fmt: skip
         rate = "-" if server.max_rate is None else f"{server.max_rate:.1f}"
-        print(f"| {server.name} | " + " | ".join(cells) + f" | {rate} |")
+        if len(server.max_rates) > 1:
+            rate += " (" + ", ".join(f"{r or 0:.0f}" for r in server.max_rates) + ")"
+        print("| " + " | ".join([server.name, *cells, rate]) + " |")
     bare = all_servers[-1]
     for server in all_servers[:-1]:
         spread = {label: [p.latency.p99_ms for p in server.points[label]] for label in labels}
         mid = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in spread.items() if len(v) > 1}
         ratio = (f"{server.max_rate / bare.max_rate:.2f}x" if server.max_rate and bare.max_rate
                  else "-")  # fmt: skip
-        print(f"{server.name}: mid-load P99 spread {mid}; max rate vs bare {ratio} (goal 1.5x)")
-    data = {s.name: {"max_rate": s.max_rate, "points": _points_json(s)} for s in all_servers}
+        print(f"{server.name}: P99 spread over repeats {mid}; max rate vs bare {ratio} (goal 1.5x)")
+    for server in all_servers:
+        if server.idle_cpu_s is not None:
+            print(f"{server.name}: {server.idle_cpu_s:.2f} CPU s over {args.idle_s:g} s idle")
+    data = {
+        s.name: {"max_rates": s.max_rates, "max_rate": s.max_rate, "idle_cpu_s": s.idle_cpu_s,
+                 "points": _points_json(s)}
+        for s in all_servers
+    }  # fmt: skip
     (args.out / "ends.json").write_text(json.dumps({"capacity_rps": capacity, **data}, indent=1))
 
 

@@ -1,58 +1,131 @@
 """How much slower MiniLM's first call is after the machine sat idle (cold caches).
 
     .venv/bin/python benchmarks/idle_penalty.py
+    .venv/bin/python benchmarks/idle_penalty.py --spin [--rounds 3]
 
 Times one-sentence `backend.execute` calls back to back, then after a sleep or a busy wait of
 2, 10, 50 and 200 ms. Explains light-load latency on a shared VM; it measures the machine.
+
+`--spin`: what ONNX Runtime's thread spinning costs and buys for isolated calls. For each
+setting (spinning off; on within runs only, Fulcrum's `allow_spinning = true`; on between runs
+too, ONNX Runtime's own default), a fresh process loads the backend and makes 40 calls, each
+after a random 50-150 ms sleep: the median call time and the process's CPU time per call (all
+threads, the sleep included, so spinning after a call counts). Settings run in turn, --rounds
+times, so a drift of the shared machine reaches each alike.
 """
 
 from __future__ import annotations
 
+import argparse
+import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
-from fulcrum.backends import create_backend
+from fulcrum.backends import Backend, create_backend
 from fulcrum.config import load_model_config
 from fulcrum.examples import build_examples
 
 SENTENCE = {
     "text": np.array([[b"The quick brown fox jumps over the lazy dog today."]], dtype=object)
 }
+SPIN = {  # name: [parameters] overrides
+    "off": {"allow_spinning": False},
+    "within runs": {"allow_spinning": True},
+    "between runs too": {"allow_spinning": True, "spin_between_runs": True},
+}
+
+
+def load(repo: Path, overrides: dict[str, bool]) -> Backend:
+    config = load_model_config(repo / "minilm" / "config.toml", dir_name="minilm")
+    config = msgspec.structs.replace(config, parameters={**config.parameters, **overrides})
+    return create_backend(config, repo / "minilm" / "1")
+
+
+def idle(repo: Path) -> None:
+    backend = load(repo, {})
+
+    def timed_ms() -> float:
+        start = time.perf_counter()
+        backend.execute(SENTENCE)
+        return (time.perf_counter() - start) * 1e3
+
+    hot = [timed_ms() for _ in range(20)]
+    print(f"back to back: median {statistics.median(hot):.1f} ms")
+    for idle_s in (0.002, 0.01, 0.05, 0.2):
+        slept, spun = [], []
+        for _ in range(8):
+            time.sleep(idle_s)
+            slept.append(timed_ms())
+            end = time.perf_counter() + idle_s
+            while time.perf_counter() < end:
+                pass
+            spun.append(timed_ms())
+        print(
+            f"after {idle_s * 1e3:4.0f} ms idle: sleep {statistics.median(slept):5.1f} ms, "
+            f"busy wait {statistics.median(spun):5.1f} ms"
+        )
+    backend.close()
+
+
+def one_setting(repo: Path, name: str) -> None:
+    """In a fresh process: 40 isolated calls with this spin setting; prints 'ms cpu_ms'."""
+    backend = load(repo, SPIN[name])
+    for _ in range(5):
+        backend.execute(SENTENCE)
+    rnd = random.Random(0)
+    call_ms = []
+    cpu_start_s = time.process_time()
+    for _ in range(40):
+        time.sleep(rnd.uniform(0.05, 0.15))  # the idle gap is the workload
+        start = time.perf_counter()
+        backend.execute(SENTENCE)
+        call_ms.append((time.perf_counter() - start) * 1e3)
+    cpu_ms = (time.process_time() - cpu_start_s) / 40 * 1e3
+    print(f"{statistics.median(call_ms):.3f} {cpu_ms:.3f}")
+
+
+def spin(repo: Path, rounds: int) -> None:
+    found: dict[str, list[tuple[float, float]]] = {name: [] for name in SPIN}
+    for _ in range(rounds):
+        for name in SPIN:
+            command = [sys.executable, __file__, "--one", name, "--repository", str(repo)]
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            call_ms, cpu_ms = (float(x) for x in out.split())
+            found[name].append((call_ms, cpu_ms))
+            print(f"  {name:17} call {call_ms:6.2f} ms, CPU {cpu_ms:6.2f} ms per call", flush=True)
+    print("\nspinning | call ms, median of rounds (each) | CPU ms per call (each)")
+    for name, values in found.items():
+        calls, cpus = [v[0] for v in values], [v[1] for v in values]
+        print(
+            f"{name} | {statistics.median(calls):.2f} ({', '.join(f'{c:.1f}' for c in calls)}) | "
+            f"{statistics.median(cpus):.2f} ({', '.join(f'{c:.1f}' for c in cpus)})"
+        )
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spin", action="store_true", help="spinning's cost per isolated call")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repository", type=Path, help="an example repository (default: built)")
+    parser.add_argument("--one", choices=sorted(SPIN), help=argparse.SUPPRESS)
+    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp)
-        build_examples(repo)
-        config = load_model_config(repo / "minilm" / "config.toml", dir_name="minilm")
-        backend = create_backend(config, repo / "minilm" / "1")
-
-        def timed_ms() -> float:
-            start = time.perf_counter()
-            backend.execute(SENTENCE)
-            return (time.perf_counter() - start) * 1e3
-
-        hot = [timed_ms() for _ in range(20)]
-        print(f"back to back: median {statistics.median(hot):.1f} ms")
-        for idle_s in (0.002, 0.01, 0.05, 0.2):
-            slept, spun = [], []
-            for _ in range(8):
-                time.sleep(idle_s)
-                slept.append(timed_ms())
-                end = time.perf_counter() + idle_s
-                while time.perf_counter() < end:
-                    pass
-                spun.append(timed_ms())
-            print(
-                f"after {idle_s * 1e3:4.0f} ms idle: sleep {statistics.median(slept):5.1f} ms, "
-                f"busy wait {statistics.median(spun):5.1f} ms"
-            )
-        backend.close()
+        repo = args.repository or Path(tmp)
+        if args.repository is None:
+            build_examples(repo)
+        if args.one:
+            one_setting(repo, args.one)
+        elif args.spin:
+            spin(repo, args.rounds)
+        else:
+            idle(repo)
     return 0
 
 

@@ -32,6 +32,7 @@ class OnnxParameters(_Params, frozen=True):
     inter_op_threads: NonNegInt = 0
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
     allow_spinning: bool = False
+    spin_between_runs: bool = False  # False: pool threads stop spinning when a run returns
     execution_providers: tuple[str, ...] | None = None  # None: CUDA when present, then CPU
     length_bucket_rows: NonNegInt = 0  # 0: a batch runs whole, padded to its longest row
 

@@ -5,13 +5,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.helper as oh
+import onnxruntime as ort
 import pytest
 
 from fulcrum.backends import create_backend
 from fulcrum.backends.casting import cast_to
-from fulcrum.backends.onnx import OnnxBackend
+from fulcrum.backends.onnx import OnnxBackend, session_options
 from fulcrum.config import ModelConfig, TensorSpec
 from fulcrum.errors import ConfigError, InvalidInput, ModelError
+from fulcrum.parameters import OnnxParameters
 
 ParamValue = str | int | float | bool | list[str]
 
@@ -170,3 +172,31 @@ def test_a_corrupt_model_file_is_a_model_error(tmp_path: Path) -> None:
     (tmp_path / "model.onnx").write_bytes(b"not a protobuf")
     with pytest.raises(ModelError, match="cannot load"):
         OnnxBackend(make_config(), tmp_path)
+
+
+def _entry(options: ort.SessionOptions, key: str) -> str | None:
+    try:
+        return str(options.get_session_config_entry(key))
+    except RuntimeError:  # ORT raises for a key that was never set
+        return None
+
+
+def test_spinning_is_off_by_default() -> None:
+    options = session_options(OnnxParameters())
+    assert _entry(options, "session.intra_op.allow_spinning") == "0"
+    assert _entry(options, "session.inter_op.allow_spinning") == "0"
+    assert _entry(options, "session.force_spinning_stop") is None
+
+
+def test_allowed_spinning_stops_when_a_run_returns_unless_asked_to_go_on() -> None:
+    within_runs = session_options(OnnxParameters(allow_spinning=True))
+    assert _entry(within_runs, "session.intra_op.allow_spinning") == "1"
+    assert _entry(within_runs, "session.force_spinning_stop") == "1"
+    between_runs = session_options(OnnxParameters(allow_spinning=True, spin_between_runs=True))
+    assert _entry(between_runs, "session.intra_op.allow_spinning") == "1"
+    assert _entry(between_runs, "session.force_spinning_stop") is None
+
+
+def test_spinning_between_runs_without_spinning_is_a_config_error(version_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="'spin_between_runs' = true: needs allow_spinning"):
+        OnnxBackend(make_config(spin_between_runs=True), version_dir)

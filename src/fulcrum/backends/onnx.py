@@ -48,15 +48,21 @@ _ORT_TYPES: dict[str, np.dtype[np.generic]] = {
 
 def session_options(params: OnnxParameters) -> ort.SessionOptions:
     """ORT session options from a model's parameters."""
+    if params.spin_between_runs and not params.allow_spinning:
+        raise ConfigError("parameter 'spin_between_runs' = true: needs allow_spinning = true")
     options = ort.SessionOptions()
     options.intra_op_num_threads = params.intra_op_threads  # 0: ORT's default
     options.inter_op_num_threads = params.inter_op_threads
     options.graph_optimization_level = _OPT_LEVELS[params.graph_optimization_level]
     # ORT's pool threads spin-wait for work by default; on a small machine the spinning steals
-    # the cores the event loop and the other models need, so spinning is opt-in.
+    # the cores the event loop and the other models need, so spinning is opt-in. Within a run it
+    # saves a sleeping worker's wake-up per parallel operator; between runs it only burns a core
+    # (the loop's, while it answers and parses), so by default it stops when a run returns.
     spin = "1" if params.allow_spinning else "0"
     options.add_session_config_entry("session.intra_op.allow_spinning", spin)
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    if params.allow_spinning and not params.spin_between_runs:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
 

@@ -1,0 +1,280 @@
+"""Where an isolated request's time goes: Fulcrum's path beside a bare FastAPI + ORT app's.
+
+    .venv/bin/python benchmarks/light_path.py --repository /tmp/bench_models [--rounds 3]
+        [--requests 70] [--gap-s 0.15] [--kinds fulcrum,bare,fulcrum_spin]
+
+Light load on this VM means one request at a time after an idle gap. For each kind, a server
+runs in a child process (this script with --serve) with timestamps patched in along the path:
+ASGI entry, Service.infer, DynamicBatcher.submit, the batch's launch, InstancePool.run, the
+backend's execute on the instance thread, the ORT run, the result back on the loop, the
+response's first and last send; a client process sends one JSON request at a time after a
+random 0.5-1.5x --gap-s pause (keep-alive). Stamps are `time.perf_counter()` (CLOCK_MONOTONIC on
+Linux), so the client's and the server's compare. Per kind: the median of each step, of the
+total and of the time outside the ORT run. Kinds run in turn, --rounds times (interleaved), the
+first 10 requests of each run unmeasured. Kinds: `fulcrum` (the repository's config), `bare`
+(ORT defaults: threads = cores, spinning on), `bare_tuned` (2 threads, no spinning, as
+Fulcrum's minilm), `fulcrum_spin` (spinning within runs), `fulcrum_t1` (one intra-op thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+MARKS: list[tuple[str, float]] = []
+RUNS: list[list[tuple[str, float]]] = []
+STEPS = ("client_send", "asgi_in", "service_in", "submit_in", "launch", "pool_in", "exec_in",
+         "ort_in", "ort_out", "exec_out", "pool_out", "resolve", "submit_out", "service_out",
+         "resp_start", "resp_sent", "client_recv")  # fmt: skip
+TEXT = "The quick brown fox jumps over the lazy dog near the quiet river bank today."
+
+CLIENT = r"""
+import http.client, json, random, sys, time
+port, path, body = int(sys.argv[1]), sys.argv[2], sys.argv[5]
+n, gap = int(sys.argv[3]), float(sys.argv[4])
+conn = http.client.HTTPConnection("127.0.0.1", port)
+rnd, out = random.Random(1), []
+for _ in range(n):
+    time.sleep(rnd.uniform(0.5 * gap, 1.5 * gap))  # the idle gap is the workload
+    t0 = time.perf_counter()
+    conn.request("POST", path, body.encode(), {"Content-Type": "application/json"})
+    response = conn.getresponse(); response.read()
+    assert response.status == 200, response.status
+    out.append((t0, time.perf_counter()))
+print(json.dumps(out))
+"""
+
+BARE = """
+import numpy as np, onnxruntime as ort
+from fastapi import FastAPI
+from tokenizers import Tokenizer
+
+def build(model_dir, mark, tuned):
+    tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    tokenizer.enable_padding()
+    tokenizer.enable_truncation(max_length=256)
+    options = ort.SessionOptions()
+    if tuned:
+        options.intra_op_num_threads = 2
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(f"{model_dir}/model.onnx", options,
+                                   providers=["CPUExecutionProvider"])
+    app = FastAPI()
+
+    @app.get("/health")
+    def health():
+        return {"ok": True}
+
+    @app.post("/embed")
+    def embed(body: dict[str, list[str]]):
+        mark("exec_in")
+        encodings = tokenizer.encode_batch(body["texts"])
+        feeds = {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
+        mark("ort_in")
+        out = session.run(["embedding"], feeds)[0]
+        mark("ort_out")
+        answer = {"embeddings": out.tolist()}
+        mark("exec_out")
+        return answer
+
+    return app
+"""
+
+Asgi = Callable[[Any, Any, Any], Awaitable[None]]
+
+
+def mark(name: str) -> None:
+    MARKS.append((name, time.perf_counter()))
+
+
+def stamped(app: Asgi, path: str) -> Asgi:
+    """The app with a stamp at entry and at the response's first and last send."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != path:
+            return await app(scope, receive, send)
+        MARKS.clear()
+        mark("asgi_in")
+
+        async def stamped_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                mark("resp_start")
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                mark("resp_sent")
+                RUNS.append(list(MARKS))
+
+        await app(scope, receive, stamped_send)
+
+    return wrapped
+
+
+def patch(cls: Any, name: str, before: str, after: str | None) -> None:
+    original = getattr(cls, name)
+    if not callable(original):
+        raise TypeError(name)
+    if hasattr(original, "__code__") and original.__code__.co_flags & 0x80:  # a coroutine
+
+        async def traced_async(*args: Any, **kwargs: Any) -> Any:
+            mark(before)
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                if after:
+                    mark(after)
+
+        setattr(cls, name, traced_async)
+        return
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        mark(before)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if after:
+                mark(after)
+
+    setattr(cls, name, traced)
+
+
+def fulcrum_app(repo: Path, kind: str) -> tuple[Asgi, Any]:
+    from fulcrum import batcher, instances
+    from fulcrum.backends import onnx
+    from fulcrum.server.app import create_app
+    from fulcrum.server.early_refusal import EarlyRefusal
+    from fulcrum.server.limits import EdgeLimits, protocol_with
+    from fulcrum.service import Service, ServiceSettings
+
+    for cls, name, before, after in [
+        (Service, "infer", "service_in", "service_out"),
+        (batcher.DynamicBatcher, "submit", "submit_in", "submit_out"),
+        (batcher.DynamicBatcher, "_launch", "launch", None),
+        (batcher.DynamicBatcher, "_resolve", "resolve", None),
+        (instances.InstancePool, "run", "pool_in", "pool_out"),
+        (onnx.OnnxBackend, "execute", "exec_in", "exec_out"),
+        (onnx.OnnxBackend, "_run", "ort_in", "ort_out"),
+    ]:
+        patch(cls, name, before, after)
+    shipped = onnx.session_options
+
+    def options(params: Any) -> Any:
+        if kind == "fulcrum_spin":
+            params = type(params)(**{**_fields(params), "allow_spinning": True})
+        if kind == "fulcrum_t1":
+            params = type(params)(**{**_fields(params), "intra_op_threads": 1})
+        return shipped(params)
+
+    onnx.session_options = options
+    settings = ServiceSettings(load_models=("minilm",), freeze_gc_after_start=True)
+    service = Service.from_repository(repo, settings)
+    app = stamped(create_app(service), "/v2/models/minilm/infer")
+    return app, protocol_with(EdgeLimits(), EarlyRefusal(service))
+
+
+def _fields(params: Any) -> dict[str, Any]:
+    return {name: getattr(params, name) for name in params.__struct_fields__}
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Run one kind's server in this process and one client process against it; print JSON."""
+    import uvicorn
+
+    from fulcrum.demo import free_port
+
+    port, kind = free_port(), args.serve
+    if kind.startswith("fulcrum"):
+        app, http = fulcrum_app(args.repository, kind)
+        path = "/v2/models/minilm/infer"
+        request: dict[str, object] = {
+            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": [TEXT]}]
+        }
+    else:
+        namespace: dict[str, Any] = {}
+        exec(BARE, namespace)  # the bare app's own module text, as a user would write it
+        model_dir = args.repository / "minilm" / "1"
+        app = stamped(namespace["build"](model_dir, mark, kind == "bare_tuned"), "/embed")
+        http = "httptools"
+        path = "/embed"
+        request = {"texts": [TEXT]}
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", http=http,
+                            log_level="warning", access_log=False, lifespan="on")  # fmt: skip
+    server = uvicorn.Server(config)
+    sent: list[tuple[float, float]] = []
+
+    def client() -> None:
+        while not server.started:
+            time.sleep(0.1)  # start-up, not measured
+        command = [sys.executable, "-c", CLIENT, str(port), path, str(args.requests),
+                   str(args.gap_s), json.dumps(request)]  # fmt: skip
+        sent.extend(json.loads(subprocess.run(command, capture_output=True, check=True).stdout))
+        server.should_exit = True
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    server.run()
+    thread.join()
+    rows = []
+    for (send_s, recv_s), marks in list(zip(sent, RUNS, strict=True))[10:]:
+        rows.append({**dict(marks), "client_send": send_s, "client_recv": recv_s})
+    print(json.dumps(rows))
+
+
+def summarize(kind: str, rows: list[dict[str, float]]) -> dict[str, float]:
+    steps = [s for s in STEPS if all(s in r for r in rows)]
+    out = {"total": statistics.median(r["client_recv"] - r["client_send"] for r in rows) * 1e3}
+    out["ort"] = statistics.median(r["ort_out"] - r["ort_in"] for r in rows) * 1e3
+    out["outside_ort"] = statistics.median(
+        (r["client_recv"] - r["client_send"]) - (r["ort_out"] - r["ort_in"]) for r in rows
+    ) * 1e3  # fmt: skip
+    for a, b in itertools.pairwise(steps):
+        out[f"{a}->{b}"] = statistics.median(r[b] - r[a] for r in rows) * 1e3
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repository", type=Path, required=True)
+    parser.add_argument("--requests", type=int, default=70)
+    parser.add_argument("--gap-s", type=float, default=0.15)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kinds", default="fulcrum,bare,bare_tuned,fulcrum_spin,fulcrum_t1")
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args)
+        return 0
+    found: dict[str, list[dict[str, float]]] = {}
+    for _ in range(args.rounds):
+        for kind in args.kinds.split(","):
+            command = [sys.executable, __file__, "--serve", kind, "--repository",
+                       str(args.repository), "--requests", str(args.requests),
+                       "--gap-s", str(args.gap_s)]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            summary = summarize(kind, json.loads(done.stdout.strip().splitlines()[-1]))
+            found.setdefault(kind, []).append(summary)
+            print(f"{kind:12} total {summary['total']:6.2f} ORT {summary['ort']:6.2f} "
+                  f"outside ORT {summary['outside_ort']:5.2f} ms", flush=True)  # fmt: skip
+    for kind, rounds in found.items():
+        print(f"\n{kind}: median over {len(rounds)} rounds of each round's median, ms")
+        for key in rounds[0]:
+            values = [r[key] for r in rounds]
+            print(f"  {key:28} {statistics.median(values):7.3f}  "
+                  f"({', '.join(f'{v:.2f}' for v in values)})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
