@@ -127,7 +127,7 @@ def build_tiny_llama(directory: Path) -> str:
     require_extra("examples", feature="the tiny-llama example")
     from fulcrum.llm.examples import build_tiny_llama as build
 
-    return build(directory)
+    return build(directory, engine_process=True)
 
 
 BUILDERS: list[ExampleBuilder] = [build_minilm, build_tiny_gpt2, build_tiny_llama]

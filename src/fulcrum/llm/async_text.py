@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 from fulcrum.llm.chat import DEFAULT_OPTIONS, ChatOptions
 
 if TYPE_CHECKING:
+    from fulcrum.llm.engine_front import EngineFront
     from fulcrum.llm.structured_spec import StructuredSpec
-    from fulcrum.llm.sync_engine import LLMEngine
 
 
 class AsyncTextFront:
     """Text methods of `AsyncLLMEngine`, over its `engine`."""
 
-    engine: LLMEngine
+    engine: EngineFront
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt (the tokenizer's special tokens added unless told not)."""

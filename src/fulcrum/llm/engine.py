@@ -1,22 +1,23 @@
-"""AsyncLLMEngine: the step loop on ONE dedicated thread, tokens handed to each request's asyncio
-queue with `call_soon_threadsafe`. The thread sleeps on an event while idle (never polls); a
-cancelled stream aborts its sequence within a step; a crashed thread fails its requests clearly
-and is restarted by its supervisor (`fulcrum.llm.supervisor`), reusing the loaded weights."""
+"""AsyncLLMEngine: one model's admission and output streams on the event loop, over an engine
+stepped elsewhere (`fulcrum.llm.engine_client`): a dedicated thread of the server, or with
+`engine_process = true` a process of its own. Tokens reach each request's asyncio queue with one
+`call_soon_threadsafe` per step; a cancelled stream aborts its sequence within a step; a crashed
+engine fails its requests clearly and is restarted by its supervisor (`fulcrum.llm.supervisor`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fulcrum.errors import FulcrumError, InvalidInput, ModelError, QueueFull, Unavailable
 from fulcrum.llm.async_text import AsyncTextFront
+from fulcrum.llm.engine_client import AddRequest, EngineClient
+from fulcrum.llm.engine_front import EngineFront
 from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.outputs import RequestOutput
 from fulcrum.llm.params import EngineParams
@@ -35,42 +36,34 @@ log = logging.getLogger(__name__)
 _Item = RequestOutput | BaseException
 
 
-@dataclass(frozen=True, slots=True)
-class _Add:
-    """A request handed from the event loop to the engine thread."""
-
-    request_id: str
-    token_ids: list[int]
-    sampling: SamplingParams
-    priority: int
-    cache_salt: str | None
-    arrival_s: float
-
-
 class AsyncLLMEngine(AsyncTextFront):
     """One model's engine for the server: `generate` streams RequestOutputs."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineFront,
         *,
         model_name: str,
         version: int = 1,
         restart_policy: RestartPolicy | None = None,
+        client: EngineClient | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # the LLMEngine itself, or (process mode) its weightless front
         self.model_name = model_name
         self.version = version
-        self._commands: list[_Add | str] = []  # str: a request id to abort
-        self._lock = threading.Lock()  # guards _commands
-        self._wake = threading.Event()
+        if client is None:
+            from fulcrum.llm.engine_thread import ThreadEngineClient
+
+            if not isinstance(engine, LLMEngine):
+                raise TypeError("a thread-stepped AsyncLLMEngine needs an LLMEngine")
+            client = ThreadEngineClient(engine, model_name)
+        self._client = client
+        self._started = False
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = False
         self._error: BaseException | None = None
-        self._num_waiting = 0  # the scheduler's count, published by the engine thread
+        self._num_waiting = 0  # the scheduler's count, published by the engine's side
         # Python >= 3.10 binds an asyncio.Event to a loop on first use, not here, so this
         # constructor may run in a worker thread (from_config under asyncio.to_thread).
         self._idle = asyncio.Event()
@@ -78,7 +71,6 @@ class AsyncLLMEngine(AsyncTextFront):
         self._restart_task: asyncio.Task[None] | None = None
         self._retry_after_s = 1.0  # the backoff left when the engine went down
         self._given_up = False  # too many restarts: down until the model is reloaded
-        self._reset_pending = False  # the next engine thread resets the crashed engine first
 
     @classmethod
     def from_config(
@@ -90,14 +82,20 @@ class AsyncLLMEngine(AsyncTextFront):
         variant: str = "default",
         registry: CollectorRegistry | None = None,
     ) -> AsyncLLMEngine:
-        """Build from a `platform = "llm"` model: parameters from config.toml, weights from disk.
-        Blocking (weights, KV pool, kernel compilation) and loop-free: call it in a worker
-        thread; `start` then only starts the engine thread."""
+        """Build from a `platform = "llm"` model: parameters from config.toml, weights from disk
+        (in process mode: the engine process loads them). Blocking (weights, KV pool, kernel
+        compilation) and loop-free: call it in a worker thread; `start` then only starts
+        stepping."""
         from prometheus_client import CollectorRegistry
 
         params = EngineParams.from_parameters(dict(config.parameters))
         metrics = LLMMetrics(registry or CollectorRegistry(), config.name, version, variant)
         try:
+            if params.engine_process:
+                from fulcrum.llm.engine_process import ProcessEngineClient
+
+                client = ProcessEngineClient(version_dir, params, config.name, metrics)
+                return cls(client.front, model_name=config.name, version=version, client=client)
             engine = LLMEngine.from_checkpoint(version_dir, params, metrics=metrics)
         except BaseException:
             metrics.remove()  # a failed load leaves no series behind
@@ -106,13 +104,13 @@ class AsyncLLMEngine(AsyncTextFront):
 
     @property
     def is_healthy(self) -> bool:
-        """False before start, while a crashed engine thread waits for its restart, and for good
-        once it crashed too often (readiness goes off)."""
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        """False before start, while a crashed engine waits for its restart, and for good once
+        it crashed too often (readiness goes off)."""
+        return self._started and self._client.is_alive and self._error is None
 
     @property
     def num_restarts(self) -> int:
-        """Engine threads restarted after a crash."""
+        """Engine threads (or processes) restarted after a crash."""
         return self._restarts.num_restarts
 
     @property
@@ -127,23 +125,20 @@ class AsyncLLMEngine(AsyncTextFront):
     def abort(self, request_id: str) -> None:
         """Abort an admitted request whose stream will never be read; unknown ids are ignored."""
         self._forget(request_id)
-        self._submit(request_id)
+        self._client.submit(request_id)
 
     async def start(self) -> None:
-        """Start the engine thread."""
-        if self._thread is not None:
+        """Start stepping."""
+        if self._started:
             return
-        self._loop = asyncio.get_running_loop()
         self._accepting = True
         self._idle.set()
-        self._thread = threading.Thread(
-            target=self._run, name=f"llm-engine-{self.model_name}", daemon=True
-        )
-        self._thread.start()
+        self._client.start(asyncio.get_running_loop(), self)
+        self._started = True
 
     async def stop(self, timeout_s: float | None = None) -> None:
-        """Refuse new requests, let in-flight ones finish (bounded), abort the rest, join, and
-        drop this model version's metric series."""
+        """Refuse new requests, let in-flight ones finish (bounded), abort the rest, end the
+        engine's thread or process, and drop this model version's metric series."""
         self._accepting = False
         await self._cancel_restart()
         drain_s = self.engine.params.drain_timeout_s if timeout_s is None else timeout_s
@@ -151,9 +146,7 @@ class AsyncLLMEngine(AsyncTextFront):
             await asyncio.wait_for(self._idle.wait(), drain_s)
         self._fail_all(Unavailable(f"model {self.model_name!r} is shutting down"))
         self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, max(drain_s, 1.0))
+        await asyncio.to_thread(self._client.stop, max(drain_s, 1.0))
         if self.engine.metrics is not None:
             self.engine.metrics.remove()
 
@@ -187,7 +180,7 @@ class AsyncLLMEngine(AsyncTextFront):
         finally:
             self._forget(request_id)
             if not finished:  # cancelled or closed by the consumer: a client went away
-                self._submit(request_id)
+                self._client.submit(request_id)
 
     def _admit(
         self,
@@ -206,89 +199,32 @@ class AsyncLLMEngine(AsyncTextFront):
         token_ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
         # Validate here, before queueing, so a bad request fails alone and at once.
         self.engine.check_request(token_ids, sampling)
-        with self._lock:
-            pending = [c for c in self._commands if isinstance(c, _Add)]
+        num_pending, num_pending_tokens = self._client.pending()
         max_waiting = self.engine.params.max_num_waiting
-        if self._num_waiting + len(pending) >= max_waiting:
+        if self._num_waiting + num_pending >= max_waiting:
             if self.engine.metrics is not None:
                 self.engine.metrics.request_shed("queue_full")
             raise QueueFull(f"model {self.model_name!r}: {max_waiting} requests already waiting")
-        # Shed here, at the call, from the state the engine thread last published.
-        self.engine.check_admission(len(token_ids), sum(len(c.token_ids) for c in pending))
+        # Shed here, at the call, from the state the engine last published.
+        self.engine.check_admission(len(token_ids), num_pending_tokens)
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._streams[request_id] = queue
         self._idle.clear()
         arrival_s = self.engine.clock.now()
-        self._submit(_Add(request_id, token_ids, sampling, priority, cache_salt, arrival_s))
+        self._client.submit(
+            AddRequest(request_id, token_ids, sampling, priority, cache_salt, arrival_s)
+        )
         return queue
 
-    def _submit(self, command: _Add | str) -> None:
-        with self._lock:
-            self._commands.append(command)
-        self._wake.set()
-
-    # --- engine thread -------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            if self._reset_pending:  # here, not on the loop: a reset frees and rebuilds state
-                self._reset_pending = False
-                self.engine.reset()
-            while not self._stopping:
-                self._wake.clear()
-                self._apply_commands()
-                if not self.engine.has_unfinished():
-                    self._wake.wait()
-                    continue
-                outputs = self.engine.step()
-                self._num_waiting = self.engine.num_waiting
-                if outputs:
-                    self._publish(outputs)
-            self._apply_commands()
-            self.engine.abort_all()  # stop() already failed their streams; free the blocks
-        except BaseException as exc:
-            log.exception("LLM engine %r died", self.model_name)
-            self._error = exc
-            self._call_in_loop(self._on_crash, exc)
-
-    def _apply_commands(self) -> None:
-        with self._lock:
-            commands, self._commands = self._commands, []
-        for command in commands:
-            if isinstance(command, str):
-                self.engine.abort(command)
-                continue
-            try:
-                self.engine.add_request(
-                    command.request_id,
-                    command.token_ids,
-                    command.sampling,
-                    priority=command.priority,
-                    cache_salt=command.cache_salt,
-                    arrival_s=command.arrival_s,
-                    check_slo=False,  # checked at admission; the queue ahead is not its fault
-                )
-            except FulcrumError as exc:  # QueueFull or InvalidInput: fails only this request
-                self._call_in_loop(self._deliver_error, command.request_id, exc)
-        self._num_waiting = self.engine.num_waiting
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        self._call_in_loop(self._deliver, outputs)
-
-    def _call_in_loop(self, callback: Callable[..., object], *args: object) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        # RuntimeError: the loop closed meanwhile, so nobody is left to tell.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(callback, *args)
-
-    # --- event loop ----------------------------------------------------------------------
+    # --- EngineSink: reports of the engine's side ------------------------------------------
 
     # A stream's queue leaves `_streams` with its last item: its iterator holds the queue, so
     # even an iterator that is never started cannot keep a finished request alive.
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def on_step(self, outputs: list[RequestOutput], errors: list[tuple[str, FulcrumError]]) -> None:
+        """One step's outputs (on the loop: one call per step)."""
+        for request_id, exc in errors:
+            self._deliver_error(request_id, exc)
         for output in outputs:
             if output.error is not None:  # this request alone failed in its step
                 self._deliver_error(output.request_id, output.error)
@@ -299,28 +235,23 @@ class AsyncLLMEngine(AsyncTextFront):
                 if output.finished:
                     self._forget(output.request_id)
 
-    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(exc)
-            self._forget(request_id)
+    def set_num_waiting(self, num_waiting: int) -> None:
+        """Published from the engine's side (an int store: any thread)."""
+        self._num_waiting = num_waiting
 
-    def _fail_all(self, exc: FulcrumError) -> None:
-        for request_id in list(self._streams):
-            self._deliver_error(request_id, exc)
-            if not isinstance(exc, ModelError):  # the engine still runs: free the blocks
-                self._submit(request_id)
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        if not self._streams:
-            self._idle.set()
-
-    # --- supervision (event loop) ---------------------------------------------------------
-
-    def _on_crash(self, exc: BaseException) -> None:
-        """The engine thread died: fail its requests, then restart it after a backoff."""
-        self._fail_all(ModelError(f"LLM engine crashed ({exc!r}); it is being restarted"))
+    def on_crash(self, exc: BaseException) -> None:
+        """The engine died: fail its requests, then restart it after a backoff."""
+        self._error = exc
+        if self._client.crash_is_model_error:
+            self._fail_all(
+                ModelError(f"LLM engine crashed ({exc!r}); it is being restarted"), free=False
+            )
+        else:  # the process and every request in it are gone: 503, try again shortly
+            metrics = self.engine.metrics
+            if metrics is not None:  # the thread's reset counts them; a new process cannot
+                for _ in self._streams:
+                    metrics.request_finished("error")
+            self._fail_all(Unavailable(f"{exc}; it is being restarted"), free=False)
         if self._stopping or not self._accepting:
             return
         backoff_s = self._restarts.on_crash(self.engine.clock.now())
@@ -329,29 +260,47 @@ class AsyncLLMEngine(AsyncTextFront):
             self._given_up = True
             return
         self._retry_after_s = max(backoff_s, 1.0)
-        # Owned here: stop() cancels it; it ends by starting a thread or by giving up.
+        # Owned here: stop() cancels it; it ends by restarting the engine or by giving up.
         self._restart_task = asyncio.get_running_loop().create_task(self._restart(backoff_s))
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(exc)
+            self._forget(request_id)
+
+    def _fail_all(self, exc: FulcrumError, *, free: bool = True) -> None:
+        for request_id in list(self._streams):
+            self._deliver_error(request_id, exc)
+            if free:  # the engine still runs: free the blocks
+                self._client.submit(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+
+    # --- supervision (event loop) ---------------------------------------------------------
 
     async def _restart(self, backoff_s: float) -> None:
         await asyncio.sleep(backoff_s)  # the backoff deadline; nothing to wait on instead
-        thread = self._thread
-        if thread is not None:  # it ended with the crash; join so no two threads overlap
-            await asyncio.to_thread(thread.join)
         if self._stopping or not self._accepting:
             return
-        with self._lock:  # their streams were failed at the crash: they must not run now
-            self._commands = [c for c in self._commands if isinstance(c, str)]
-        self._reset_pending = True
-        self._num_waiting = 0  # the reset empties the queue; the new thread publishes anew
+        try:  # a thread: a reset; a process: a new one, which loads the weights again
+            await asyncio.to_thread(self._client.restart)
+        except Exception as exc:  # the new process failed to load: a crash like any other
+            log.exception("LLM engine %r failed to restart", self.model_name)
+            self._restarts.on_restart(self.engine.clock.now())
+            self.on_crash(exc)
+            return
+        if self._stopping or not self._accepting:
+            return
+        self._num_waiting = 0  # a fresh engine's queue is empty; it publishes anew
         self._error = None
         self._restarts.on_restart(self.engine.clock.now())
         if self.engine.metrics is not None:
             self.engine.metrics.restarts.inc()
         log.warning("LLM engine %r restarted (restart %d)", self.model_name, self.num_restarts)
-        self._thread = threading.Thread(
-            target=self._run, name=f"llm-engine-{self.model_name}", daemon=True
-        )
-        self._thread.start()
 
     async def _cancel_restart(self) -> None:
         task, self._restart_task = self._restart_task, None

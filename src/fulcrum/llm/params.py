@@ -41,6 +41,9 @@ class EngineParams:
     model_file: str = ""  # "": every float *.safetensors; a variant names model.int8.safetensors
     quantization: str = "auto"  # "none" / "int8" / "int4": refuse a file that holds otherwise
     num_threads: int = 0  # torch intra-op threads of this engine's thread; 0: torch's default
+    # Step the model in a child process of its own (vLLM V1's engine core process), so its
+    # Python runs beside the server's event loop on another core; false: a thread in the server.
+    engine_process: bool = False
     # SLOs (0: none). With either set the token budget and running limit adapt to the load
     # (fulcrum.llm.budget) between min_num_batched_tokens and max_num_batched_tokens.
     slo_ttft_ms: float = 0.0  # arrival to first token

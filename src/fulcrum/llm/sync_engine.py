@@ -18,11 +18,12 @@ else:
     require_extra("llm")
     check_torch_version(torch.__version__, extra="llm")
 
-from fulcrum.errors import FulcrumError, InvalidInput, ModelError, QueueFull, Shed
+from fulcrum.errors import FulcrumError, InvalidInput, ModelError, QueueFull
 from fulcrum.llm.block_manager import BlockManager
 from fulcrum.llm.budget import StepRecord, TokenBudget
 from fulcrum.llm.chat import ChatTemplate
 from fulcrum.llm.detokenizer import IncrementalDetokenizer
+from fulcrum.llm.engine_front import EngineFront
 from fulcrum.llm.loader import DTYPES, LoadedLLM, load_checkpoint
 from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.outputs import RequestOutput, RequestState, Usage
@@ -33,10 +34,9 @@ from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.scheduler import ScheduledBatch, Scheduler, StepTokens
 from fulcrum.llm.sequence import FinishReason, Sequence
 from fulcrum.llm.speculative import Speculation
-from fulcrum.llm.structured import GrammarCompiler, StructuredOutputs
-from fulcrum.llm.text_front import TextFrontEnd
+from fulcrum.llm.structured import StructuredOutputs
 from fulcrum.llm.threads import pin_num_threads
-from fulcrum.types import Clock, MonotonicClock
+from fulcrum.types import Clock
 
 log = logging.getLogger(__name__)
 # Whole steps that fail in a row before the engine gives up on its state (a lost device fails
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
-class LLMEngine(TextFrontEnd):
+class LLMEngine(EngineFront):
     """Continuous batching over one model; not thread-safe: one thread calls every method."""
 
     def __init__(
@@ -55,6 +55,10 @@ class LLMEngine(TextFrontEnd):
         metrics: LLMMetrics | None = None,
         clock: Clock | None = None,
     ) -> None:
+        dtype = DTYPES[params.dtype]
+        num_blocks = params.num_kv_blocks or num_blocks_for_budget(
+            loaded.model, params.block_size, params.kv_cache_memory_mb, dtype
+        )
         super().__init__(
             loaded.tokenizer,
             ChatTemplate(  # compiled once
@@ -62,41 +66,33 @@ class LLMEngine(TextFrontEnd):
                 loaded.special_tokens,
                 trust_request_templates=params.trust_request_chat_template,
             ),
+            params,
+            vocab_size=loaded.model.vocab_size,
+            eos_token_ids=loaded.eos_token_ids,
+            # No sequence can outgrow the KV pool, so the pool caps the usable context too.
+            max_model_len=min(
+                params.max_model_len or loaded.max_model_len,
+                loaded.max_model_len,
+                num_blocks * params.block_size,
+            ),
+            metrics=metrics,
+            clock=clock,
         )
-        self.params = params
-        self.eos_token_ids = loaded.eos_token_ids
         self.chat_template = loaded.chat_template
         self.special_tokens = loaded.special_tokens
-        self.vocab_size = loaded.model.vocab_size
         self.prefix_cache_key = loaded.prefix_cache_key
-        dtype = DTYPES[params.dtype]
-        device = torch.device(params.resolve_device())
-        num_blocks = params.num_kv_blocks or num_blocks_for_budget(
-            loaded.model, params.block_size, params.kv_cache_memory_mb, dtype
-        )
-        # No sequence can outgrow the KV pool, so the pool caps the usable context too.
-        self.max_model_len = min(
-            params.max_model_len or loaded.max_model_len,
-            loaded.max_model_len,
-            num_blocks * params.block_size,
-        )
         self.runner = ModelRunner(
             loaded.model,
             block_size=params.block_size,
             num_kv_blocks=num_blocks,
-            device=device,
+            device=torch.device(params.resolve_device()),
             dtype=dtype,
         )
-        self.grammars = GrammarCompiler(loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.structured = StructuredOutputs(self.grammars.compile, self.vocab_size)
-        self.metrics = metrics
-        self.clock: Clock = clock or MonotonicClock()
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
         self._num_failed_steps = 0  # whole steps failed in a row
-        # With an SLO the token budget and running limit follow the load; without, they stay.
-        self.budget = TokenBudget(params) if params.has_slo else None
         spec = params.speculative
         self.speculation = None if spec is None else Speculation(spec)  # kept across resets
         self.block_manager, self.scheduler = self._new_state()
@@ -134,23 +130,6 @@ class LLMEngine(TextFrontEnd):
             quantization=params.quantization,
         )
         return cls(loaded, params, metrics=metrics)
-
-    def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raise InvalidInput (naming the field) for a request that can never run."""
-        sampling.validate()
-        sampling.check_vocabulary(self.vocab_size)
-        if sampling.structured is not None:  # cached: compiled off the loop by its caller
-            self.grammars.compile(sampling.structured)
-        if not prompt_token_ids:
-            raise InvalidInput("prompt: must have at least one token")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise InvalidInput(f"prompt: token ids must lie in 0..{self.vocab_size - 1}")
-        num_prompt = len(prompt_token_ids)
-        if num_prompt + sampling.max_tokens > self.max_model_len:
-            raise InvalidInput(
-                f"max_tokens: prompt ({num_prompt} tokens) + max_tokens ({sampling.max_tokens}) "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
 
     def add_request(
         self,
@@ -200,18 +179,6 @@ class LLMEngine(TextFrontEnd):
         self._by_seq[seq.seq_id] = state
         self._publish_queue()
         self.update_gauges()
-
-    def check_admission(self, num_prompt_tokens: int, num_pending_tokens: int = 0) -> None:
-        """Shed (503) a request predicted to miss slo_ttft_ms; num_pending_tokens: prompt tokens
-        admitted since the last step. Reads only published state: any thread may call it."""
-        if self.budget is None:
-            return
-        try:
-            self.budget.check_admission(num_prompt_tokens, num_pending_tokens)
-        except Shed:
-            if self.metrics is not None:
-                self.metrics.request_shed("slo_ttft")
-            raise
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; its final output, or None if unknown."""

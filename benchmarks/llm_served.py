@@ -1,0 +1,161 @@
+"""The LLM engine in the server's thread vs in its own process (`engine_process`), served.
+
+    .venv/bin/python benchmarks/llm_served.py [--concurrency 16,64,256] [--repeats 3]
+        [--duration 10] [--max-tokens 64] [--num-threads 0] [--modes thread,process]
+
+Builds tiny-llama (fulcrum.llm.examples) into one temporary repository per mode (max_num_seqs
+raised to the largest concurrency), and per repeat, alternating the modes, starts `fulcrum serve`
+on a free 127.0.0.1 port, runs `fulcrum bench tiny-llama --openai` (closed loop, streaming) at
+each concurrency, and stops the server. Prints tok/s, TTFT and ITL P50/P99 per run, and each
+mode's ratios to the first mode within each repeat (the modes of a repeat run back to back, their
+order rotating between repeats). A mode may name its engine's torch threads: `process:1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fulcrum.demo import wait_ready
+from fulcrum.llm.examples import build_tiny_llama
+
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_repo(root: Path, mode: str, max_num_seqs: int, num_threads: int) -> Path:
+    repo = root / mode.replace(":", "-")
+    build_tiny_llama(repo)
+    mode, _, threads = mode.partition(":")
+    num_threads = int(threads) if threads else num_threads
+    config = repo / "tiny-llama" / "config.toml"
+    text = config.read_text().replace("max_num_seqs = 64", f"max_num_seqs = {max_num_seqs}")
+    text += f"engine_process = {'true' if mode == 'process' else 'false'}\n"
+    text += f"num_threads = {num_threads}\n"
+    config.write_text(text)
+    return repo
+
+
+def bench(base: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
+    subprocess.run(
+        [PYTHON, "-m", "fulcrum.cli", "bench", "tiny-llama", "--url", base, "--openai",
+         "--concurrency", str(concurrency), "--max-tokens", str(args.max_tokens),
+         "--duration", str(args.duration), "--warmup", str(args.warmup), "--no-progress",
+         "--out", str(out)],
+        check=True, stdout=subprocess.DEVNULL, timeout=600,
+    )  # fmt: skip
+    point = json.loads((out / "results.json").read_text())["points"][0]
+    llm = point["llm"]
+    return {
+        "tok_s": llm["output_tokens_per_s"],
+        "ttft_p50": llm["ttft"]["p50_ms"],
+        "ttft_p99": llm["ttft"]["p99_ms"],
+        "itl_p50": llm["itl"]["p50_ms"],
+        "itl_p99": llm["itl"]["p99_ms"],
+        "errors": float(point["num_requests"] - point["num_ok"]),
+    }
+
+
+def serve_and_bench(repo: Path, args: argparse.Namespace, out: Path) -> dict[int, dict[str, float]]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = out / "serve.log"
+    out.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "fulcrum.cli", "serve", "--repository", str(repo),
+             "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_ready(base, proc, timeout_s=180)
+            return {c: bench(base, c, args, out / f"c{c}") for c in args.concurrency}
+        except BaseException:
+            print(log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def row(label: str, m: dict[str, float]) -> str:
+    return (
+        f"{label:<22} {m['tok_s']:>8.0f} {m['ttft_p50']:>9.1f} {m['ttft_p99']:>9.1f} "
+        f"{m['itl_p50']:>8.2f} {m['itl_p99']:>8.2f} {m['errors']:>6.0f}"
+    )
+
+
+def spread(values: list[float]) -> str:
+    ordered = sorted(values)
+    return f"median {ordered[len(ordered) // 2]:.2f} (min {ordered[0]:.2f}, max {ordered[-1]:.2f})"
+
+
+def main() -> int:
+    args = parse_args()
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}  load {os.getloadavg()}")
+    modes: list[str] = args.modes
+    results: dict[str, list[dict[int, dict[str, float]]]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        max_num_seqs = max(64, *args.concurrency)
+        repos = {m: build_repo(root, m, max_num_seqs, args.num_threads) for m in modes}
+        for r in range(args.repeats):
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]  # rotate who goes first
+            for mode in order:
+                out = root / f"{mode.replace(':', '-')}{r}"
+                results[mode].append(serve_and_bench(repos[mode], args, out))
+    print(f"\n{'run':<22} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} "
+          f"{'itl p99':>8} {'errors':>6}")  # fmt: skip
+    for c in args.concurrency:
+        for r in range(args.repeats):
+            for mode in modes:
+                print(row(f"c={c} {mode} #{r + 1}", results[mode][r][c]))
+    base, repeats = modes[0], range(args.repeats)
+    print(f"\nratios to {base} within each repeat (tok/s; ITL P50 and TTFT P50: < 1 is better)")
+    for mode in modes[1:]:
+        for c in args.concurrency:
+            ratios = {
+                key: [results[mode][r][c][key] / results[base][r][c][key] for r in repeats]
+                for key in ("tok_s", "itl_p50", "ttft_p50")
+            }
+            print(
+                f"{mode} c={c}: tok/s {spread(ratios['tok_s'])}; itl p50 "
+                f"{spread(ratios['itl_p50'])}; ttft p50 {spread(ratios['ttft_p50'])}"
+            )
+    print(f"load after: {os.getloadavg()}")
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="16,64,256",
+                        type=lambda s: [int(x) for x in s.split(",")])  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=10.0, help="max measured s per point")
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads of the engine")
+    parser.add_argument("--modes", default="thread,process", type=lambda s: s.split(","),
+                        help="thread / process, each optionally :num_threads")  # fmt: skip
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
