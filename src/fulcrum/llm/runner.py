@@ -77,6 +77,9 @@ class ModelRunner:
         self.in_place_decode = decode_kernel.supported(self.kv_caches[0][0])
         if self.in_place_decode:
             decode_kernel.warm_up()
+        # A decode verifying k drafts attends in place too, as k + 1 decode rows (no KV gather);
+        # False: as a chunk, through the gather path (kept to measure one against the other).
+        self.in_place_verify = self.in_place_decode
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[Sampled]:
@@ -114,6 +117,7 @@ class ModelRunner:
             split_chunks=True,
             in_place_decode=self.in_place_decode,
             prompt_lens=[seq.num_prompt_tokens for seq in seqs],  # length-dependent RoPE
+            in_place_queries=self._in_place_queries(seqs),
         )
         # Via numpy: torch.tensor converts a Python list element by element, about 4x slower.
         ids = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device)
@@ -139,6 +143,12 @@ class ModelRunner:
             else:
                 sampled[index] = token
         return sampled
+
+    def _in_place_queries(self, seqs: list[Sequence]) -> int:
+        """The longest chunk attended in place: a decode with the step's most drafts."""
+        if not self.in_place_verify:
+            return 1
+        return 1 + max(len(seq.spec_token_ids) for seq in seqs)
 
     def _verify(
         self,
@@ -296,19 +306,23 @@ def _query_tokens(seq: Sequence, start: int, end: int) -> list[int]:
 
 
 def _step_order(batch: ScheduledBatch) -> list[int]:
-    """Step row order: decodes (longest context first), fresh chunks (longest first), then
-    continued chunks."""
-    # Attention groups sequences the same way (`build_metadata(split_chunks=True)`), so in this
-    # order every group's tokens are one contiguous range of rows (sliced, not gathered). Each
-    # token's result depends only on its own sequence's tokens, wherever its row sits.
+    """Step row order: decodes (longest context first), decodes verifying drafts, fresh chunks
+    (longest first), then continued chunks."""
+    # Attention groups sequences the same way (`build_metadata(split_chunks=True)`, in-place
+    # decodes and verifications first), so in this order every group's tokens are one
+    # contiguous range of rows (sliced, not gathered). Each token's result depends only on its
+    # own sequence's tokens, wherever its row sits.
     decodes: list[int] = []
+    verifying: list[int] = []
     fresh: list[int] = []
     continued: list[int] = []
     for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
         if num_new == 1:
             decodes.append(i)
+        elif seq.spec_token_ids:
+            verifying.append(i)
         else:
             (continued if seq.num_computed_tokens else fresh).append(i)
     decodes.sort(key=lambda i: -batch.seqs[i].num_computed_tokens)
     fresh.sort(key=lambda i: -batch.num_new_tokens[i])
-    return decodes + fresh + continued
+    return decodes + verifying + fresh + continued

@@ -8,7 +8,8 @@ causal within its chunk and full over the earlier context. Decodes of a grouped-
 the query heads sharing a KV head into that head's query rows, (B, Hkv, H / Hkv, D): one SDPA row
 block per KV head instead of a one-row block per query head (about 25% faster on CPU, same greedy
 tokens). On the CPU in float32, decodes skip all of this: one group whose queries read each
-sequence's own blocks in place (`decode_kernel.paged_decode`: no gather, no padding, no mask).
+sequence's own blocks in place (`decode_kernel.paged_decode`: no gather, no padding, no mask); a
+decode verifying k drafts joins it as k + 1 decode rows (`build_metadata(in_place_queries=)`).
 The layout is built once per step (`attention_metadata.build_metadata`); layers with a sliding
 window attend through its windowed variant (`AttentionMetadata.windowed`): masks that also hide
 keys `window` or more positions back, and in-place decodes that start reading there.

@@ -62,6 +62,9 @@ class StepLayout:
     # Each sequence's prompt length (length-dependent RoPE); None: each step's sequences are
     # whole prompts (a one-shot prefill).
     prompt_lens: list[int] | None = None
+    # With in_place_decode: chunks of 2..in_place_queries queries that continue a sequence (a
+    # decode verifying drafts) are attended in place too, as that many decode rows.
+    in_place_queries: int = 1
 
 
 @dataclass
@@ -116,6 +119,7 @@ def build_metadata(
     split_chunks: bool = False,
     in_place_decode: bool = False,
     prompt_lens: list[int] | None = None,
+    in_place_queries: int = 1,
 ) -> AttentionMetadata:
     """Slot mapping, padded block tables and attention masks for one step."""
     # in_place_decode: all decodes form one group for `decode_kernel.paged_decode`, which reads
@@ -125,6 +129,10 @@ def build_metadata(
     # the explicit mask.
     # Off by default: one padded group for all chunks, as callers that lay out rows expect.
     # prompt_lens: each sequence's prompt length, for RoPE whose rotation depends on it.
+    # in_place_queries > 1 (with in_place_decode): a chunk of q <= in_place_queries tokens after
+    # cached context L - q (a decode verifying q - 1 drafts) joins the in-place group as q decode
+    # rows over its block table, of context lengths L - q + 1 .. L: causal by construction, as
+    # its K/V is written before attention, and no gather, mask or padding.
     layout = StepLayout(
         query_lens,
         context_lens,
@@ -134,34 +142,28 @@ def build_metadata(
         split_chunks,
         in_place_decode,
         prompt_lens,
+        in_place_queries if in_place_decode else 1,
     )
     return _build(layout, window=0)
 
 
 def _build(layout: StepLayout, window: int) -> AttentionMetadata:
     """The metadata of a step; window > 0: for layers attending only that many positions."""
-    query_lens, context_lens, block_tables = (
-        layout.query_lens,
-        layout.context_lens,
-        layout.block_tables,
-    )
+    query_lens, context_lens = layout.query_lens, layout.context_lens
     block_size, device = layout.block_size, layout.device
-    in_place_decode = layout.in_place_decode
     row_starts = [0, *itertools.accumulate(query_lens)]
-    slots: list[int] = []
-    for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
-        if q_len == 1:  # most tokens of a step are decodes: skip the per-block loop
-            pos = ctx_len - 1
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        else:
-            _extend_slots(slots, table, ctx_len - q_len, ctx_len, block_size)
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    chunks = [i for i, n in enumerate(query_lens) if n > 1]
-    members = (
-        [decodes]
-        if in_place_decode and decodes
-        else _buckets(decodes, [-(-n // block_size) for n in context_lens], GROUP_COST_BLOCK_ROWS)
-    )
+    groups: list[AttentionGroup] = []
+    if layout.in_place_decode:
+        in_place = [i for i in range(len(query_lens)) if _in_place(layout, i)]
+        if in_place:
+            groups.append(_in_place_group(in_place, layout, row_starts, window))
+        taken = set(in_place)
+        members: list[list[int]] = []
+    else:
+        taken = {i for i, n in enumerate(query_lens) if n == 1}
+        sizes = [-(-n // block_size) for n in context_lens]
+        members = _buckets(sorted(taken), sizes, GROUP_COST_BLOCK_ROWS)
+    chunks = [i for i in range(len(query_lens)) if i not in taken]
     if chunks:
         fresh = (
             [i for i in chunks if query_lens[i] == context_lens[i]] if layout.split_chunks else []
@@ -169,26 +171,85 @@ def _build(layout: StepLayout, window: int) -> AttentionMetadata:
         rest = [i for i in chunks if i not in fresh]
         members += _buckets(fresh, [n * n for n in query_lens], GROUP_COST_SQUARED_QUERIES)
         members += [rest] if rest else []
-    groups = [
-        _group(
-            m,
-            query_lens,
-            context_lens,
-            block_tables,
-            row_starts,
-            block_size,
-            device,
-            in_place=in_place_decode and query_lens[m[0]] == 1,
-            window=window,
-        )
-        for m in members
-    ]
+    groups += [_group(m, layout, row_starts, window) for m in members]
     return AttentionMetadata(
-        slot_mapping=_int_tensor(slots, device),
+        slot_mapping=_int_tensor(_slots(layout), device),
         groups=groups,
         groups_in_order=_tile_in_order(groups),
         layout=layout,
     )
+
+
+def _in_place(layout: StepLayout, i: int) -> bool:
+    """True when sequence i's queries are attended in place: a decode, or a short chunk that
+    continues its sequence (a decode verifying drafts)."""
+    q_len = layout.query_lens[i]
+    return q_len == 1 or (q_len <= layout.in_place_queries and q_len < layout.context_lens[i])
+
+
+def _slots(layout: StepLayout) -> list[int]:
+    """The cache slot of each new token, in step order."""
+    block_size = layout.block_size
+    slots: list[int] = []
+    for q_len, ctx_len, table in zip(
+        layout.query_lens, layout.context_lens, layout.block_tables, strict=True
+    ):
+        if q_len == 1:  # most tokens of a step are decodes: skip the per-block loop
+            pos = ctx_len - 1
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        else:
+            _extend_slots(slots, table, ctx_len - q_len, ctx_len, block_size)
+    return slots
+
+
+def _in_place_group(
+    members: list[int], layout: StepLayout, row_starts: list[int], window: int
+) -> AttentionGroup:
+    """One group for `decode_kernel.paged_decode`: a decode row per query of each member (query
+    j of a q-query chunk over context L sees the first L - q + 1 + j keys)."""
+    block_size, device = layout.block_size, layout.device
+    tables: list[list[int]] = []
+    lens: list[int] = []
+    for i in members:
+        q_len, ctx_len = layout.query_lens[i], layout.context_lens[i]
+        tables += [layout.block_tables[i]] * q_len
+        lens += range(ctx_len - q_len + 1, ctx_len + 1)
+    skip = None
+    if window > 0 and max(lens) > window:  # read from each window's first block on
+        first = [max(0, n - window) // block_size for n in lens]
+        tables = [table[f:] for table, f in zip(tables, first, strict=True)]
+        skip = [max(0, n - window) - f * block_size for n, f in zip(lens, first, strict=True)]
+        lens = [n - f * block_size for n, f in zip(lens, first, strict=True)]
+    num_blocks = -(-max(lens) // block_size)
+    padding = [0] * num_blocks
+    token_rows, row_range = _rows(members, layout.query_lens, row_starts, device)
+    return AttentionGroup(
+        token_rows=token_rows,
+        row_range=row_range,
+        token_index=None,
+        block_tables=_int_tensor([(table + padding)[:num_blocks] for table in tables], device),
+        mask=None,
+        attn_bias=None,
+        num_seqs=len(lens),
+        max_query_len=1,
+        context_lens=_int_tensor(lens, device),
+        window_skip=None if skip is None else _int_tensor(skip, device),
+    )
+
+
+def _rows(
+    members: list[int], query_lens: list[int], row_starts: list[int], device: torch.device
+) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """The step rows of the members' tokens, and their (start, end) when that is one range."""
+    first_row, num_rows = row_starts[members[0]], sum(query_lens[i] for i in members)
+    # Contiguous when each member's rows start where the previous member's end.
+    if all(row_starts[i] + query_lens[i] == row_starts[j] for i, j in itertools.pairwise(members)):
+        return torch.arange(first_row, first_row + num_rows, device=device), (
+            first_row,
+            first_row + num_rows,
+        )
+    rows = [r for i in members for r in range(row_starts[i], row_starts[i] + query_lens[i])]
+    return _int_tensor(rows, device), None
 
 
 def _tile_in_order(groups: list[AttentionGroup]) -> bool:
@@ -234,64 +295,37 @@ def _buckets(members: list[int], sizes: list[int], group_cost: int) -> list[list
 
 
 def _group(
-    members: list[int],
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    row_starts: list[int],
-    block_size: int,
-    device: torch.device,
-    *,
-    in_place: bool = False,
-    window: int = 0,
+    members: list[int], layout: StepLayout, row_starts: list[int], window: int
 ) -> AttentionGroup:
-    g_q = [query_lens[i] for i in members]
-    g_ctx = [context_lens[i] for i in members]
-    g_tables = [block_tables[i] for i in members]
+    """A group attended by gathering its blocks into a padded SDPA batch."""
+    block_size, device = layout.block_size, layout.device
+    g_q = [layout.query_lens[i] for i in members]
+    g_ctx = [layout.context_lens[i] for i in members]
     max_q = max(g_q)
     # A window that hides some key needs an explicit mask (SDPA's causal one cannot say it).
     windowed = window > 0 and max(g_ctx) > window
-    skip = None
-    if in_place and windowed:  # read from each window's first block on: skip the rest
-        first = [max(0, n - window) // block_size for n in g_ctx]
-        g_tables = [table[f:] for table, f in zip(g_tables, first, strict=True)]
-        skip = [max(0, n - window) - f * block_size for n, f in zip(g_ctx, first, strict=True)]
-        g_ctx = [n - f * block_size for n, f in zip(g_ctx, first, strict=True)]
     num_blocks = -(-max(g_ctx) // block_size)
-    first_row, num_rows = row_starts[members[0]], sum(g_q)
-    # Contiguous when each member's rows start where the previous member's end.
-    contiguous = all(
-        row_starts[i] + query_lens[i] == row_starts[j] for i, j in itertools.pairwise(members)
-    )
     token_index = None
     if any(n != max_q for n in g_q):
         token_index = _int_tensor(
             [slot * max_q + j for slot, n in enumerate(g_q) for j in range(n)], device
         )
     padding = [0] * num_blocks
-    table_tensor = _int_tensor([(table + padding)[:num_blocks] for table in g_tables], device)
+    tables = [(layout.block_tables[i] + padding)[:num_blocks] for i in members]
     mask = bias = None
-    if (max_q == 1 and not in_place) or (max_q > 1 and (g_q != g_ctx or windowed)):
+    if max_q == 1 or g_q != g_ctx or windowed:
         mask = _mask(g_q, g_ctx, max_q, num_blocks * block_size, window).to(device)
         bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+    token_rows, row_range = _rows(members, layout.query_lens, row_starts, device)
     return AttentionGroup(
-        token_rows=(
-            torch.arange(first_row, first_row + num_rows, device=device)
-            if contiguous
-            else _int_tensor(
-                [r for i in members for r in range(row_starts[i], row_starts[i] + query_lens[i])],
-                device,
-            )
-        ),
-        row_range=(first_row, first_row + num_rows) if contiguous else None,
+        token_rows=token_rows,
+        row_range=row_range,
         token_index=token_index,
-        block_tables=table_tensor,
+        block_tables=_int_tensor(tables, device),
         mask=mask,
         attn_bias=bias,
         num_seqs=len(members),
         max_query_len=max_q,
-        context_lens=_int_tensor(g_ctx, device) if in_place else None,
-        window_skip=None if skip is None else _int_tensor(skip, device),
     )
 
 
