@@ -366,6 +366,7 @@ def test_awq_and_gptq_checkpoints_load_as_int4_layers(tmp_path: Path, method: st
         layer = model.get_submodule(name)  # type: ignore[attr-defined]
         assert isinstance(layer, Int4Linear) and layer.group_size == 32
         assert torch.equal(quant_int4.dequantize_int4(layer.weights(), layer.in_features), want)
+    assert quant.head_quantization(model) == "none"  # type: ignore[arg-type]  # as the file has it
     # The whole model runs: its logits equal a float model holding the dequantized weights.
     reference = load_checkpoint(tmp_path).model
     with torch.no_grad():

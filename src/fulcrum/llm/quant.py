@@ -1,8 +1,9 @@
 """Weight-only quantized linear layers for the LLM engine and the safetensors files that hold
 them: int8 here (per-output-channel symmetric, one float scale per row), int4 in `quant_int4`.
-Attention and MLP projections are quantized; embeddings, norms and biases stay float. A quantized
-file is whole (it replaces model.safetensors), stores tensors under the engine's own module names
-and layout, and says so in its metadata (`QUANT_KEY`)."""
+Attention and MLP projections are quantized, and the LM head (int8 by default, tied or not: a
+tied embedding then reads its rows from the quantized head); norms, biases and an untied input
+embedding stay float. A quantized file is whole (it replaces model.safetensors), stores tensors
+under the engine's own module names and layout, and says so in its metadata (`QUANT_KEY`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from fulcrum.errors import ConfigError
 from fulcrum.llm.cpu_bf16 import cpu_has_bf16
+from fulcrum.llm.quant_embedding import TiedQuantizedEmbedding
 from fulcrum.llm.quant_int4 import DEFAULT_GROUP_SIZE, Int4Linear
+from fulcrum.llm.quant_matmul import dequantized_linear
 
 QUANT_KEY = "fulcrum.quantization"  # safetensors metadata: absent on float checkpoints
 SOURCE_KEY = "fulcrum.quantized_from"
@@ -22,6 +24,7 @@ INT8 = "int8"
 INT4 = "int4"
 NONE = "none"
 QUANTIZATIONS = (NONE, INT8, INT4)
+LM_HEAD = "lm_head"
 SCALE_SUFFIX = ".weight_scale"
 INT4_SUFFIXES = (".qweight", ".scales", ".zeros")  # an int4 layer's tensors in a file
 # Rows up to which the fused int8 kernel runs (decode steps); above it a prefill dequantizes once.
@@ -84,11 +87,20 @@ class Int8Linear(nn.Module):
             # Many rows (a prefill) or no fused kernel (GPU): a float copy of the weights costs
             # N*K once for all M rows, then the matmul runs at float speed. Between steps the
             # weights stay int8.
-            out = F.linear(x2, self.weight.to(compute) * scale[:, None])  # (M, N)
+            def read(lo: int, hi: int) -> torch.Tensor:
+                return self.weight[lo:hi].to(compute) * scale[lo:hi, None]  # (rows, K)
+
+            out = dequantized_linear(x2, read, self.out_features)  # (M, N)
         out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*lead, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight rows `ids` (T,) -> (T, K) in the scales' dtype: what a tied
+        input embedding looks up."""
+        scale = self.weight_scale.index_select(0, ids)  # (T,)
+        return self.weight.index_select(0, ids).to(scale.dtype) * scale[:, None]
 
 
 def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -97,16 +109,47 @@ def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def quantizable_linears(module: nn.Module, *, include_lm_head: bool = False) -> list[str]:
     """Names of the linear layers to quantize: every projection inside the decoder layers, and
-    the LM head when asked and not tied to the (float) embedding."""
-    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-    names = []
-    for name, child in module.named_modules():
-        if not isinstance(child, nn.Linear):
-            continue
-        if name == "lm_head" and (not include_lm_head or id(child.weight) in embeddings):
-            continue
-        names.append(name)
-    return names
+    the LM head (tied to the input embedding or not) when asked."""
+    return [
+        name
+        for name, child in module.named_modules()
+        if isinstance(child, nn.Linear) and (include_lm_head or name != LM_HEAD)
+    ]
+
+
+def quantize_model(
+    module: nn.Module,
+    precision: str,
+    *,
+    lm_head: str = INT8,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    symmetric: bool = False,
+) -> list[str]:
+    """Quantize a float model in place: its projections to `precision`, its LM head to
+    `lm_head` ("none": float); the names of the layers quantized."""
+    for key, value in (("precision", precision), ("lm_head", lm_head)):
+        if value not in QUANTIZATIONS or (key == "precision" and value == NONE):
+            raise ConfigError(f"{key} {value!r}: expected one of {QUANTIZATIONS}")
+    names = quantizable_linears(module)
+    replace_linears(
+        module,
+        names,
+        quantize=True,
+        precision=precision,
+        group_size=group_size,
+        symmetric=symmetric,
+    )
+    if lm_head == NONE or not isinstance(getattr(module, LM_HEAD, None), nn.Linear):
+        return names
+    replace_linears(
+        module,
+        [LM_HEAD],
+        quantize=True,
+        precision=lm_head,
+        group_size=group_size,
+        symmetric=symmetric,
+    )
+    return [*names, LM_HEAD]
 
 
 def replace_linears(
@@ -123,16 +166,35 @@ def replace_linears(
     quantized checkpoint then fills."""
     for name in names:
         linear = linear_layer(module, name)
-        if precision == INT4 and quantize:
-            new: nn.Module = Int4Linear.from_linear(linear, group_size, symmetric=symmetric)
-        elif precision == INT4:
-            has_bias = linear.bias is not None
-            new = Int4Linear(linear.in_features, linear.out_features, has_bias, group_size)
-        elif quantize:
-            new = Int8Linear.from_linear(linear)
-        else:
-            new = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None)
+        new = _quantized_layer(linear, quantize, precision, group_size, symmetric)
         set_layer(module, name, new)
+        _retie(module, linear.weight, new)
+
+
+def _quantized_layer(
+    linear: nn.Linear, quantize: bool, precision: str, group_size: int, symmetric: bool
+) -> Int8Linear | Int4Linear:
+    if precision == INT4 and quantize:
+        return Int4Linear.from_linear(linear, group_size, symmetric=symmetric)
+    has_bias = linear.bias is not None
+    if precision == INT4:
+        return Int4Linear(linear.in_features, linear.out_features, has_bias, group_size)
+    if quantize:
+        return Int8Linear.from_linear(linear)
+    return Int8Linear(linear.in_features, linear.out_features, has_bias)
+
+
+def _retie(module: nn.Module, weight: torch.Tensor, layer: Int8Linear | Int4Linear) -> None:
+    """An input embedding that shared `weight` with the layer now replaced (a tied LM head)
+    reads its rows from the quantized layer instead, and its float matrix is dropped."""
+    tied = [
+        name
+        for name, child in module.named_modules()
+        if isinstance(child, nn.Embedding) and child.weight is weight
+    ]
+    for name in tied:
+        embedding = TiedQuantizedEmbedding(layer.rows, layer.out_features, layer.in_features)
+        set_layer(module, name, embedding)
 
 
 def linear_layer(module: nn.Module, name: str) -> nn.Linear:
@@ -151,16 +213,14 @@ def set_layer(module: nn.Module, name: str, layer: nn.Module) -> None:
 
 
 def install_shells(module: nn.Module, path: Path) -> None:
-    """Empty quantized layers for every layer a quantized file holds, sized from the file (an
-    int4 layer's group size is its padded width over its number of scales)."""
+    """Empty quantized layers for every layer a quantized file holds, int8 or int4 whatever the
+    file's precision (an int4 file's head may be int8), sized from the file (an int4 layer's
+    group size is its padded width over its number of scales)."""
     from safetensors import safe_open
 
-    precision = file_quantization(path)
     with safe_open(str(path), framework="pt") as handle:
         keys = list(handle.keys())
-        if precision == INT8:
-            replace_linears(module, scaled_layers(keys), quantize=False)
-            return
+        replace_linears(module, scaled_layers(keys), quantize=False)
         for name in [k.removesuffix(".scales") for k in keys if k.endswith(".scales")]:
             num_groups = handle.get_slice(f"{name}.scales").get_shape()[1]
             padded = 2 * handle.get_slice(f"{name}.qweight").get_shape()[1]
@@ -185,13 +245,38 @@ def loadable_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def module_quantization(module: nn.Module) -> str:
-    """ "int8" or "int4" when the module holds such layers, else "none"."""
-    for child in module.modules():
-        if isinstance(child, Int8Linear):
-            return INT8
-        if isinstance(child, Int4Linear):
-            return INT4
-    return NONE
+    """ "int8" or "int4": the precision of the module's quantized projections (its head's
+    when only the head is); "none" when it holds no quantized layer."""
+    head = NONE
+    for name, child in module.named_modules():
+        found = _layer_quantization(child)
+        if found != NONE and name != LM_HEAD:
+            return found
+        head = found if name == LM_HEAD else head
+    return head
+
+
+def tied_head(module: nn.Module) -> bool:
+    """Whether the LM head is tied to the input embedding (shares its float weight, or is the
+    quantized head the embedding reads its rows from)."""
+    head = getattr(module, LM_HEAD, None)
+    head_weight = head.weight if isinstance(head, nn.Linear) else None
+    return any(
+        isinstance(child, TiedQuantizedEmbedding)
+        or (isinstance(child, nn.Embedding) and child.weight is head_weight)
+        for child in module.modules()
+    )
+
+
+def head_quantization(module: nn.Module) -> str:
+    """The LM head's precision: "int8", "int4" or "none" (float)."""
+    return _layer_quantization(getattr(module, LM_HEAD, None))
+
+
+def _layer_quantization(layer: object) -> str:
+    if isinstance(layer, Int8Linear):
+        return INT8
+    return INT4 if isinstance(layer, Int4Linear) else NONE
 
 
 def save_quantized(module: nn.Module, path: Path, *, source: str) -> None:

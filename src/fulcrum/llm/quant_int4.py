@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from fulcrum.errors import ConfigError
 from fulcrum.llm import cpu_bf16
+from fulcrum.llm.quant_matmul import CHUNK_ROWS, dequantized_linear
 
 GROUP_SIZES = (32, 64, 128, 256)  # what torch's fused CPU kernel accepts
 DEFAULT_GROUP_SIZE = 128
@@ -112,6 +113,32 @@ def to_kernel_layout(q: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def kernel_layout(qweight: torch.Tensor) -> torch.Tensor:
+    """Canonical packed (N, Kp/2) -> the fused kernel's layout, `CHUNK_ROWS` rows at a time:
+    64-row blocks convert independently, and the kernel's converter wants int32 input (4 bytes
+    a weight, 1 GB at once for a 128k-row head)."""
+    n = qweight.shape[0]
+    if n % _KERNEL_BLOCK_N:
+        return to_kernel_layout(unpack_int4(qweight))
+    parts = [
+        to_kernel_layout(unpack_int4(qweight[lo : lo + CHUNK_ROWS]))
+        for lo in range(0, n, CHUNK_ROWS)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def kernel_layout_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (T,) of weights in the fused kernel's layout -> (T, K) uint8 in [0, 15]
+    (the layout of `from_kernel_layout`, read for a few rows only)."""
+    n, half_k = packed.shape
+    half = _KERNEL_BLOCK_N // 2
+    blocks = packed.reshape(n // _KERNEL_BLOCK_N, 2 * half_k, half)  # (B, K, 32)
+    within = ids % _KERNEL_BLOCK_N  # (T,)
+    picked = blocks[ids // _KERNEL_BLOCK_N, :, within % half]  # (T, K)
+    shift = torch.where(within >= half, 4, 0).to(torch.uint8)[:, None]
+    return (picked >> shift) & 0xF
+
+
 def from_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `to_kernel_layout` for N a multiple of 64: each block of 64 rows is
     stored (K, 32) bytes, row r in the low nibble and row r + 32 in the high one."""
@@ -190,7 +217,11 @@ class Int4Linear(nn.Module):
             )  # (M, N)
         else:
             compute = _compute_dtype(x2)
-            out = F.linear(x2.to(compute), self._dequantized(compute))  # (M, N)
+
+            def read(lo: int, hi: int) -> torch.Tensor:
+                return self._dequantized(compute, lo, hi)  # (rows, Kp)
+
+            out = dequantized_linear(x2.to(compute), read, self.out_features)  # (M, N)
         out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
@@ -204,26 +235,38 @@ class Int4Linear(nn.Module):
             and cpu_bf16.cpu_has_bf16()
         )
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight rows `ids` (T,) -> (T, K) in the scales' dtype, from either
+        layout: what a tied input embedding looks up."""
+        if self._kernel is None:
+            q = unpack_int4(self.qweight.index_select(0, ids))  # (T, Kp)
+        else:
+            q = kernel_layout_rows(self.qweight, ids)
+        scales, zeros = self.scales.index_select(0, ids), self.zeros.index_select(0, ids)
+        return _dequantize(q, scales, zeros, scales.dtype)[:, : self.in_features]
+
     def _kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._kernel is None:
-            q = unpack_int4(self.qweight)  # (N, Kp)
             scales = self.scales.float()
             # The kernel computes (q - 8) * scale + zero_f: zero_f moves our integer zero.
             zero_f = (_SYM_ZERO - self.zeros.float()) * scales  # (N, G)
             scales_zeros = torch.stack((scales.t(), zero_f.t()), dim=-1)  # (G, N, 2)
-            packed = to_kernel_layout(q)
+            packed = kernel_layout(self.qweight)
             self._kernel = (packed, scales_zeros.to(torch.bfloat16).contiguous())
             self.qweight = packed  # the canonical copy is dropped: see `_kernel`
         return self._kernel
 
-    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        if self._kernel is not None and dtype == torch.bfloat16 and self.qweight.is_cpu:
+    def _dequantized(self, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+        """Output rows [lo, hi) as float (rows, Kp); in the kernel's layout lo and hi are
+        multiples of its 64-row blocks (`CHUNK_ROWS` is, and N then is)."""
+        packed, scales, zeros = self.qweight[lo:hi], self.scales[lo:hi], self.zeros[lo:hi]
+        if self._kernel is not None and dtype == torch.bfloat16 and packed.is_cpu:
             from fulcrum.llm.quant_int4_kernel import dequantize_kernel_layout
 
-            return dequantize_kernel_layout(self.qweight, self.scales, self.zeros)
+            return dequantize_kernel_layout(packed, scales, zeros)
         canonical = self._kernel is None
-        q = unpack_int4(self.qweight) if canonical else from_kernel_layout(self.qweight)
-        return _dequantize(q, self.scales, self.zeros, dtype)  # (N, Kp)
+        q = unpack_int4(packed) if canonical else from_kernel_layout(packed)
+        return _dequantize(q, scales, zeros, dtype)  # (rows, Kp)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -1,7 +1,8 @@
 """`fulcrum quantize` for `platform = "llm"` models: weight-only projections, int8
 (per-output-channel symmetric) in `model.int8.safetensors` and int4 (group-wise, asymmetric,
-128 columns a group) in `model.int4.safetensors`, next to the float weights and selected by the
-variant's `model_file` and `quantization` parameters. Fidelity: teacher-forced greedy-token
+128 columns a group) in `model.int4.safetensors`, the LM head int8 in both (a tied input
+embedding then reads its rows from it), next to the float weights and selected by the variant's
+`model_file` and `quantization` parameters. Fidelity: teacher-forced greedy-token
 agreement and the perplexity ratio (`fulcrum.tuning.llm_fidelity`); speed: time per output token
 of one sequence and output tokens/s at a fixed number of sequences, through the engine."""
 
@@ -30,6 +31,7 @@ FIDELITY_METRIC = "token_agreement"
 CONCURRENCY = 8  # sequences at once for the throughput figure (unless --batch-sizes names one)
 PROMPT_TOKENS = 32  # each measured sequence: this prompt, then OUTPUT_TOKENS greedy tokens
 OUTPUT_TOKENS = 32
+LM_HEAD = "lm_head"  # quant.LM_HEAD (fulcrum.llm.quant loads torch: imported only to quantize)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,9 @@ class LlmFidelityOptions:
     continuation_tokens: int = 32
     chunk_tokens: int = 128
     max_chunks: int = 8
-    include_lm_head: bool = False  # the head is the most sensitive layer: float unless asked
+    # The LM head's precision in both variants ("int8", "int4" or "none": float). int8 per
+    # output channel: on the 1B shape it decodes as fast as an int4 head and agrees better.
+    lm_head: str = "int8"
     int4_group_size: int = 128  # input columns sharing one int4 scale and zero point
     int4_symmetric: bool = False  # True: zero point 8 (GPTQ's sym); False: one per group
 
@@ -76,12 +80,11 @@ class LlmQuantizer:
                 f"variant {job.reference!r} is already {already}: quantize a float one"
             )
         opts = self.options
-        names = quant.quantizable_linears(module, include_lm_head=opts.include_lm_head)
-        quant.replace_linears(
+        tied = quant.tied_head(module)
+        names = quant.quantize_model(
             module,
-            names,
-            quantize=True,
-            precision=precision,
+            precision,
+            lm_head=opts.lm_head,
             group_size=opts.int4_group_size,
             symmetric=opts.int4_symmetric,
         )
@@ -93,8 +96,7 @@ class LlmQuantizer:
         }
         found = self._compare(job, {**job.config.parameters, **parameters})
         notes = (
-            f"{len(names)} linear layers {_scheme(precision, opts)}; embeddings, norms"
-            f"{'' if 'lm_head' in names else ', LM head'} float",
+            _layers_note(names, precision, opts, tied=tied),
             f"fidelity: teacher-forced greedy-token agreement at {found.num_tokens} positions "
             f"({self.options.num_prompts} prompts), worst prompt {found.worst_prompt:.3f}",
             f"perplexity ratio {found.perplexity_ratio:.4f} ({precision} "
@@ -187,6 +189,19 @@ def _fidelity(found: LlmFidelity) -> Fidelity:
         worst_row=found.worst_prompt,
         perplexity_ratio=found.perplexity_ratio,
     )
+
+
+def _layers_note(names: list[str], precision: str, opts: LlmFidelityOptions, *, tied: bool) -> str:
+    """What was quantized, as the variant's first note."""
+    quantized_head = LM_HEAD in names
+    if not quantized_head:
+        head = "LM head float" + (" (tied to the input embedding)" if tied else ", embedding float")
+    elif tied:
+        head = f"LM head {_scheme(opts.lm_head, opts)}, tied: lookups dequantize its rows"
+    else:
+        head = f"LM head {_scheme(opts.lm_head, opts)}; input embedding float"
+    num_projections = len(names) - quantized_head
+    return f"{num_projections} projections {_scheme(precision, opts)}; {head}; norms float"
 
 
 def _scheme(precision: str, opts: LlmFidelityOptions) -> str:
