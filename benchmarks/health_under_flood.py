@@ -106,14 +106,17 @@ async def flood(url: str, concurrency: int, until: float) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def serving(repo: Path, src: Path, log_path: Path) -> Iterator[tuple[str, int]]:
+def serving(
+    repo: Path, src: Path, log_path: Path, model: str = "minilm"
+) -> Iterator[tuple[str, int]]:
+    """`fulcrum serve` of one model of repo (the code under src) on a free loopback port."""
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fulcrum.cli", "serve", "--repository", str(repo),
-             "--model", "minilm", "--host", "127.0.0.1", "--port", str(port)],
+             "--model", model, "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
         try:

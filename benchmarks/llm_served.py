@@ -16,24 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from fulcrum.demo import wait_ready
 from fulcrum.llm.examples import build_tiny_llama
 
+sys.path.insert(0, str(Path(__file__).parent))
+from health_under_flood import serving
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
 PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_repo(root: Path, mode: str, max_num_seqs: int, num_threads: int) -> Path:
@@ -70,29 +66,14 @@ def bench(base: str, concurrency: int, args: argparse.Namespace, out: Path) -> d
 
 
 def serve_and_bench(repo: Path, args: argparse.Namespace, out: Path) -> dict[int, dict[str, float]]:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log_path = out / "serve.log"
     out.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [PYTHON, "-m", "fulcrum.cli", "serve", "--repository", str(repo),
-             "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    log_path = out / "serve.log"
+    with serving(repo, SRC, log_path, model="tiny-llama") as (base, _port):
         try:
-            wait_ready(base, proc, timeout_s=180)
             return {c: bench(base, c, args, out / f"c{c}") for c in args.concurrency}
         except BaseException:
             print(log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
             raise
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
 
 
 def row(label: str, m: dict[str, float]) -> str:
