@@ -1,7 +1,7 @@
 """Continuous batching vs transformers' `generate` on the tiny Llama, in one run.
 
     .venv/bin/python benchmarks/llm_throughput.py [--num-requests 512] [--rate 1000] [--record]
-        [--engine sync,thread,process]
+        [--engine sync,thread,process] [--skip-one-at-a-time]
 
 Two mixed workloads (prompt 16-256 tokens, Poisson arrivals at --rate requests/s, more than any
 setup here keeps up with, so each runs at its capacity) differ only in their output lengths:
@@ -30,6 +30,7 @@ import platform
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,11 @@ def main() -> None:
         help="how the engine is driven, comma-separated: sync (LLMEngine.step in this loop), "
         "thread or process (AsyncLLMEngine, as served)",
     )
+    parser.add_argument(
+        "--skip-one-at-a-time",
+        action="store_true",
+        help="leave out `generate` one request at a time (the slowest row by far)",
+    )
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -348,7 +354,7 @@ def main() -> None:
             results.append(run_static(f"generate, static batches of {size}", hf, mixed(), size))
         # Now, before the long one-at-a-time run: the figures of a run cut short are not lost.
         print(f"{lengths}:", *_table(results), _verdict(results), sep="\n", flush=True)
-        results.append(run_static("generate, one at a time", hf, mixed(), 1))
+        results += _one_at_a_time(args, hf, mixed)
         by_lengths[lengths] = results
     shared = [
         run_engine(
@@ -363,6 +369,14 @@ def main() -> None:
     if args.record:
         with (Path(__file__).parent / "RESULTS.md").open("a") as f:
             f.write(report)
+
+
+def _one_at_a_time(
+    args: argparse.Namespace, model: Any, requests: Callable[[], list[Request]]
+) -> list[Result]:
+    if args.skip_one_at_a_time:
+        return []
+    return [run_static("generate, one at a time", model, requests(), 1)]
 
 
 def _table(results: list[Result]) -> list[str]:

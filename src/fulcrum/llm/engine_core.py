@@ -25,8 +25,18 @@ from fulcrum.llm.params import EngineParams
 from fulcrum.llm.sync_engine import LLMEngine
 
 log = logging.getLogger(__name__)
-# One message from the server: the commands queued since its last one; None: shut down.
-CommandBatch = list[AddRequest | str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class StopRequest:
+    """The server found a stop string in this request's text: finish it as "stop"."""
+
+    request_id: str
+
+
+# One message from the server: the commands queued since its last one; str: abort; None: shut
+# down.
+CommandBatch = list[AddRequest | StopRequest | str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +81,10 @@ def serve(conn: Connection, version_dir: str, params: EngineParams) -> None:
     metrics = RecordingMetrics()
     params = dataclasses.replace(params, num_threads=child_num_threads(params.num_threads))
     try:
-        engine = LLMEngine.from_checkpoint(Path(version_dir), params, metrics=metrics)
+        # Token ids only: the server detokenises and looks for stop strings (engine_outputs).
+        engine = LLMEngine.from_checkpoint(
+            Path(version_dir), params, metrics=metrics, detokenize=False
+        )
     except Exception as exc:
         error = exc if isinstance(exc, FulcrumError) else None
         _send_quietly(conn, Fatal(f"loading the model failed: {exc!r}", error))
@@ -151,6 +164,8 @@ class EngineCore:
                 self.stopping = True
             elif isinstance(command, str):
                 self.engine.abort(command)
+            elif isinstance(command, StopRequest):
+                self.engine.finish_stopped(command.request_id)
             else:
                 try:
                     add_to(self.engine, command)

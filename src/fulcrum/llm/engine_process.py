@@ -1,8 +1,10 @@
 """The server's side of an engine process (`engine_process = true`): spawns it ("spawn", never
 fork: the server has threads and torch), waits for it to load, and talks over one duplex pipe.
-A sender thread batches the loop's commands into one message; a reader thread hands each step's
-outputs to the loop with one `call_soon_threadsafe`, and replays the step's metrics. A dead
-process (killed, exited, a failed step) is reported as a crash naming its pid and exit status."""
+A sender thread batches the loop's commands into one message; a reader thread turns each step's
+token ids into text (`engine_outputs`), hands the outputs to the loop with one
+`call_soon_threadsafe`, and replays the step's metrics. A dead process (killed, exited, a failed
+step) is reported as a crash naming its pid and exit status; one that holds requests but sends
+no step for engine_step_timeout_s is killed and reported as stalled."""
 
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ from pathlib import Path
 from fulcrum.errors import ModelError
 from fulcrum.llm.chat import ChatTemplate
 from fulcrum.llm.engine_client import AddRequest, Command, EngineSink, call_in_loop
-from fulcrum.llm.engine_core import CommandBatch, Fatal, Ready, StepReport, serve
+from fulcrum.llm.engine_core import CommandBatch, Fatal, Ready, StepReport, StopRequest, serve
 from fulcrum.llm.engine_front import EngineFront, load_tokenizer
+from fulcrum.llm.engine_outputs import OutputProcessor
 from fulcrum.llm.metrics import LLMMetrics
-from fulcrum.llm.outputs import unpack_outputs
 from fulcrum.llm.params import EngineParams
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,10 @@ OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 
 class EngineProcessDied(ModelError):
     """The engine process ended without being asked to."""
+
+
+class EngineProcessStalled(EngineProcessDied):
+    """The engine process had requests but sent no step for engine_step_timeout_s: killed."""
 
 
 class _Generation:
@@ -50,6 +56,7 @@ class _Generation:
         self.pending: deque[tuple[int, int]] = deque()  # adds not yet applied: (number, tokens)
         self.closed = False  # no more commands: shutdown sent, or the process is gone
         self.fatal: str | None = None  # what the process said before it exited
+        self.stalled_s: float | None = None  # killed after no step for this long
         self.reader: threading.Thread | None = None
         self.sender: threading.Thread | None = None
 
@@ -86,6 +93,8 @@ class ProcessEngineClient:
             self._shutdown(self._gen)
             self._end(self._gen, 5.0)
             raise
+        # Text and stop strings of the requests in flight, off the stepping process.
+        self.outputs = OutputProcessor(self.front.tokenizer)
 
     def _front(self, ready: Ready) -> EngineFront:
         params = self.params
@@ -118,13 +127,18 @@ class ProcessEngineClient:
         self._start_threads(self._gen)
 
     def submit(self, command: Command) -> None:
-        gen = self._gen
+        if isinstance(command, str):  # its later outputs, if any, are dropped
+            self.outputs.forget(command)
+        self._send(self._gen, command)
+
+    def _send(self, gen: _Generation, command: Command | StopRequest) -> None:
         with gen.wake:
             if gen.closed:
                 return  # the process is gone: its crash report fails the request
             gen.num_sent += 1
             if isinstance(command, AddRequest):
                 gen.pending.append((gen.num_sent, len(command.token_ids)))
+                self.outputs.add(command.request_id, command.sampling, gen.num_sent)
             gen.commands.append(command)
             gen.wake.notify()
 
@@ -136,6 +150,7 @@ class ProcessEngineClient:
     def restart(self) -> None:
         old = self._gen
         self._end(old, timeout_s=1.0)  # it died already: reap it and its threads
+        self.outputs.clear()  # failed at the crash; the new process numbers commands anew
         with self._life:
             if self._stopping:
                 return
@@ -237,8 +252,12 @@ class ProcessEngineClient:
 
     def _read(self, gen: _Generation) -> None:
         """Reader: each step message to the loop; at EOF, the crash (unless asked to stop)."""
+        timeout_s = self.params.engine_step_timeout_s
         try:
             while True:
+                if not gen.conn.poll(timeout_s):  # EOF polls True: recv then raises
+                    self._check_stall(gen, timeout_s)
+                    continue
                 message = gen.conn.recv()
                 if isinstance(message, StepReport):
                     self._on_report(gen, message)
@@ -252,13 +271,30 @@ class ProcessEngineClient:
         if self._stopping or self._sink is None:
             return
         gen.process.join(5.0)  # EOF: it exited or is exiting; its status names the cause
-        said = f" after {gen.fatal}" if gen.fatal else ""
-        error = EngineProcessDied(
-            f"model {self.model_name!r}: the LLM engine process (pid {gen.ready.pid}) "
-            f"{_exit_status(gen.process)}{said}"
-        )
+        error = self._death(gen)
         log.error("%s", error)
         call_in_loop(self._loop, self._sink.on_crash, error)
+
+    def _check_stall(self, gen: _Generation, waited_s: float) -> None:
+        """No message for waited_s: idle, or hung with requests (then kill it; EOF follows)."""
+        if not len(self.outputs) or self._stopping or gen.stalled_s is not None:
+            return  # idle: it blocks on the pipe and sends nothing, rightly
+        gen.stalled_s = waited_s
+        log.error(
+            "engine process of %r (pid %d): no step for %g s with %d requests; killing it",
+            self.model_name, gen.ready.pid, waited_s, len(self.outputs),
+        )  # fmt: skip
+        gen.process.kill()
+
+    def _death(self, gen: _Generation) -> EngineProcessDied:
+        who = f"model {self.model_name!r}: the LLM engine process (pid {gen.ready.pid})"
+        if gen.stalled_s is not None:
+            return EngineProcessStalled(
+                f"{who} stalled: no step for {gen.stalled_s:g} s (engine_step_timeout_s) with "
+                "requests in flight, so it was killed"
+            )
+        said = f" after {gen.fatal}" if gen.fatal else ""
+        return EngineProcessDied(f"{who} {_exit_status(gen.process)}{said}")
 
     def _on_report(self, gen: _Generation, report: StepReport) -> None:
         with gen.wake:
@@ -273,9 +309,15 @@ class ProcessEngineClient:
         if sink is None:
             return
         sink.set_num_waiting(report.num_waiting)
+        for request_id, _ in report.errors:
+            self.outputs.forget(request_id)
         if report.outputs or report.errors:
-            outputs = unpack_outputs(report.outputs)  # here, not on the loop
-            call_in_loop(self._loop, sink.on_step, outputs, report.errors)
+            step = self.outputs.process(report.outputs, report.num_applied)  # not on the loop
+            for request_id in step.stopped:
+                self._send(gen, StopRequest(request_id))
+            for request_id in step.failed:
+                self._send(gen, request_id)
+            call_in_loop(self._loop, sink.on_step, step.outputs, report.errors)
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ class RequestState:
 
     request_id: str
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the server detokenises (engine process)
     arrival_s: float
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
@@ -99,10 +99,12 @@ class RequestState:
         first = self.num_sent_tokens == 0 and not self.sent_prompt_logprobs
         self.sent_prompt_logprobs = True
         self.num_sent_tokens = seq.num_output_tokens
+        detokenizer = self.detokenizer
+        text = "" if detokenizer is None else detokenizer.take(final=finish_reason is not None)
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=new_ids,
-            new_text=self.detokenizer.take(final=finish_reason is not None),
+            new_text=text,
             finish_reason=finish_reason,
             usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
             new_logprobs=new_logprobs,

@@ -44,6 +44,10 @@ class EngineParams:
     # Step the model in a child process of its own (vLLM V1's engine core process), so its
     # Python runs beside the server's event loop on another core; false: a thread in the server.
     engine_process: bool = False
+    # An engine process that has requests but sends no step for this long is hung (a deadlock,
+    # a stuck kernel): it is killed, its requests get a 503 naming the stall, and it restarts.
+    # Far above any step, a long prefill's or the first one's warm-up included.
+    engine_step_timeout_s: float = 60.0
     # SLOs (0: none). With either set the token budget and running limit adapt to the load
     # (fulcrum.llm.budget) between min_num_batched_tokens and max_num_batched_tokens.
     slo_ttft_ms: float = 0.0  # arrival to first token
@@ -89,10 +93,7 @@ class EngineParams:
             raise ConfigError(
                 f"key 'parameters.kv_cache_memory_mb' = {self.kv_cache_memory_mb}: must be > 0"
             )
-        if self.drain_timeout_s < 0:
-            raise ConfigError(
-                f"key 'parameters.drain_timeout_s' = {self.drain_timeout_s}: must be >= 0"
-            )
+        self._validate_timeouts()
         if self.dtype not in _DTYPES:
             raise ConfigError(f"key 'parameters.dtype' = {self.dtype!r}: expected one of {_DTYPES}")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -125,6 +126,17 @@ class EngineParams:
             raise ConfigError(
                 f"key 'parameters.slo_ttft_action' = {self.slo_ttft_action!r}: "
                 f"expected one of {_SLO_TTFT_ACTIONS}"
+            )
+
+    def _validate_timeouts(self) -> None:
+        if self.drain_timeout_s < 0:
+            raise ConfigError(
+                f"key 'parameters.drain_timeout_s' = {self.drain_timeout_s}: must be >= 0"
+            )
+        if self.engine_step_timeout_s <= 0:
+            raise ConfigError(
+                f"key 'parameters.engine_step_timeout_s' = {self.engine_step_timeout_s}: "
+                "must be > 0"
             )
 
     def _validate_weights(self) -> None:

@@ -54,7 +54,10 @@ class LLMEngine(EngineFront):
         *,
         metrics: LLMMetrics | None = None,
         clock: Clock | None = None,
+        detokenize: bool = True,
     ) -> None:
+        """detokenize=False: outputs carry token ids, text only of requests with stop strings,
+        for an engine process whose server detokenises (fulcrum.llm.engine_outputs)."""
         dtype = DTYPES[params.dtype]
         num_blocks = params.num_kv_blocks or num_blocks_for_budget(
             loaded.model, params.block_size, params.kv_cache_memory_mb, dtype
@@ -81,6 +84,7 @@ class LLMEngine(EngineFront):
         self.chat_template = loaded.chat_template
         self.special_tokens = loaded.special_tokens
         self.prefix_cache_key = loaded.prefix_cache_key
+        self.detokenize = detokenize
         self.runner = ModelRunner(
             loaded.model,
             block_size=params.block_size,
@@ -119,7 +123,12 @@ class LLMEngine(EngineFront):
 
     @classmethod
     def from_checkpoint(
-        cls, directory: Path, params: EngineParams, *, metrics: LLMMetrics | None = None
+        cls,
+        directory: Path,
+        params: EngineParams,
+        *,
+        metrics: LLMMetrics | None = None,
+        detokenize: bool = True,
     ) -> LLMEngine:
         """Load a Hugging Face checkpoint directory and build the engine for it."""
         loaded = load_checkpoint(
@@ -129,7 +138,7 @@ class LLMEngine(EngineFront):
             model_file=params.model_file,
             quantization=params.quantization,
         )
-        return cls(loaded, params, metrics=metrics)
+        return cls(loaded, params, metrics=metrics, detokenize=detokenize)
 
     def add_request(
         self,
@@ -173,7 +182,12 @@ class LLMEngine(EngineFront):
             if isinstance(exc, QueueFull) and self.metrics is not None:
                 self.metrics.request_shed("queue_full")
             raise
-        detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, sampling)
+        detokenizer = None
+        # Without text (an engine process), stop strings are still looked for here, so the
+        # request ends in the very step it would in thread mode: the batches, and so every
+        # request's floats, stay the same as the thread's (the server cuts the text).
+        if self.detokenize or sampling.stop:
+            detokenizer = IncrementalDetokenizer.for_request(self.tokenizer, sampling)
         state = RequestState(request_id, seq, detokenizer, arrival)
         self._requests[request_id] = state
         self._by_seq[seq.seq_id] = state
@@ -190,6 +204,17 @@ class LLMEngine(EngineFront):
         self._publish_queue()  # an idle engine must not shed by the queue it had
         self.update_gauges()  # an abort with no step after it must not leave them stale
         return output
+
+    def finish_stopped(self, request_id: str) -> None:
+        """End a request as a stop string found by the server ends it (a safety net: this
+        engine finds the same one first); unknown (already finished) ids are ignored."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        self.scheduler.finish(state.seq.seq_id, FinishReason.STOP)
+        self._finish(state, FinishReason.STOP.value)
+        self._publish_queue()
+        self.update_gauges()
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request (shutdown); their final outputs."""
@@ -308,10 +333,12 @@ class LLMEngine(EngineFront):
                 self.budget.observe_ttft(now_s - state.arrival_s)
             else:
                 self.budget.observe_itl(now_s - last_token_s)
-        for token_id in new_ids:
-            state.detokenizer.add(token_id)
-        if state.detokenizer.stopped and not seq.is_finished:
-            self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+        detokenizer = state.detokenizer
+        if detokenizer is not None:
+            for token_id in new_ids:
+                detokenizer.add(token_id)
+            if detokenizer.stopped and not seq.is_finished:
+                self.scheduler.finish(seq.seq_id, FinishReason.STOP)
         # A complete grammar ends the answer (before min_tokens too: the grammar wins, as vLLM).
         if not seq.is_finished and self.runner.grammar_complete(seq.seq_id):
             self.scheduler.finish(seq.seq_id, FinishReason.STOP)
