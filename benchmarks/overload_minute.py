@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +40,15 @@ from adaptive_vs_static import (
     v2_requests,
 )
 from health_under_flood import probed, serving, summary
-from load_trace import Step, arrival_times, open_loop_capacity, reload, replay, settle
+from load_trace import (
+    Step,
+    arrival_times,
+    open_loop_capacity,
+    policy_state,
+    reload,
+    replay,
+    settle,
+)
 
 from fulcrum.client import Endpoint
 from fulcrum.loadgen.kserve import V2Target
@@ -71,6 +82,20 @@ class Outcome:
     rss_before_mb: float
     rss_peak_mb: float
     rss_after_mb: float
+    # CPU over the overload, in cores (2 = all of this machine): the server, split by thread
+    # name, and this process (the load generator), which a production server would not share
+    # its cores with; per request in microseconds.
+    server_cores: float = 0.0
+    generator_cores: float = 0.0
+    server_threads_cores: dict[str, float] | None = None
+    server_us_per_request: float = 0.0
+    generator_us_per_request: float = 0.0
+    other_statuses: dict[int, int] | None = None  # what "other" was, by status (<0: no HTTP)
+    other_errors: list[str] | None = None  # the distinct messages of "other" (up to 5)
+    # The adaptive policy's counters over the overload (statistics API): refused for their
+    # deadline (on arrival, from the request head, or late: admitted, then shed at the head of
+    # the queue, which is what makes a slow 503).
+    policy_counts: dict[str, float] | None = None
 
 
 def p99_ms(records: list[RequestRecord], of: str = "latency") -> float:
@@ -87,12 +112,79 @@ def p99_ms(records: list[RequestRecord], of: str = "latency") -> float:
     return values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
+def policy_counts(before: object, after: object) -> dict[str, float] | None:
+    """The policy's counters gained between two statistics states, and its state after."""
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return None
+    counters = ("shed_deadline", "shed_head", "shed_late", "probes", "batches_observed",
+                "speed_changes")  # fmt: skip
+    gained = {f"+{k}": after[k] - before.get(k, 0) for k in counters if k in after}
+    kept = ("batch_limit", "queue_bound", "arrival_margin", "arrival_age_ms",
+            "overhead_reserve_ms", "batch_fixed_ms", "batch_row_ms", "batch_error")  # fmt: skip
+    return {**gained, **{k: round(after[k], 2) for k in kept if k in after}}
+
+
 def server_process(port: int) -> psutil.Process:
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
         if "serve" in cmdline and str(port) in cmdline:
             return proc
     raise RuntimeError(f"no server process listening on port {port}")
+
+
+def thread_cpu_s(proc: psutil.Process) -> dict[str, float]:
+    """CPU seconds per thread of `proc`: "main" (the event loop), else by name, threads of one
+    name summed (ORT's pool and the executor threads are all "python")."""
+    out: dict[str, float] = {}
+    for thread in proc.threads():
+        if thread.id == proc.pid:
+            name = "main"
+        else:
+            try:
+                name = Path(f"/proc/{proc.pid}/task/{thread.id}/comm").read_text().strip()
+            except OSError:  # the thread ended between the two reads
+                continue
+        out[name] = out.get(name, 0.0) + thread.user_time + thread.system_time
+    return out
+
+
+class CpuAccount:
+    """CPU seconds the server (per thread name) and this process spend between enter and exit."""
+
+    def __init__(self, server: psutil.Process) -> None:
+        self.server = server
+        self.me = psutil.Process()
+        self.seconds = 0.0
+        self.server_s = self.generator_s = 0.0
+        self.threads_s: dict[str, float] = {}
+
+    def __enter__(self) -> CpuAccount:
+        self._t0 = time.perf_counter()
+        self._server0 = sum(self.server.cpu_times()[:2])
+        self._me0 = sum(self.me.cpu_times()[:2])
+        self._threads0 = thread_cpu_s(self.server)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.seconds = time.perf_counter() - self._t0
+        self.server_s = sum(self.server.cpu_times()[:2]) - self._server0
+        self.generator_s = sum(self.me.cpu_times()[:2]) - self._me0
+        after = thread_cpu_s(self.server)
+        self.threads_s = {k: v - self._threads0.get(k, 0.0) for k, v in after.items()}
+
+    def cores(self, cpu_s: float) -> float:
+        return cpu_s / self.seconds if self.seconds > 0 else 0.0
+
+
+def py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy recording the server (threads, GIL holders only) for `seconds`, raw format."""
+    exe = os.environ.get("PY_SPY", "/tmp/tools/bin/py-spy")
+    if not Path(exe).exists():
+        print(f"  no py-spy at {exe}: not profiled", flush=True)
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--threads", "--gil", "-f", "raw", "-r", "100",
+           "--nonblocking", "-d", str(max(1, int(seconds))), "-o", str(out)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 class RssSampler:
@@ -136,9 +228,14 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
     sampler = RssSampler(proc)
     before = sampler.now_mb()
     prober, pipe = probed(port, PROBE_HZ, args.seconds)
-    with sampler:
+    spy = py_spy(proc.pid, args.seconds, args.out / f"{name}.pyspy.txt") if args.py_spy else None
+    policy_before = policy_state(url, MODEL)
+    with sampler, CpuAccount(proc) as cpu:
         steps = [Step(0.0, args.seconds, args.factor)]
         records = play(url, target, steps, capacity, seed=args.seed, timeout_s=args.timeout_s)
+    if spy is not None:
+        spy.wait()
+    policy_after = policy_state(url, MODEL)
     latencies, health_bad = pipe.recv()
     prober.join()
     time.sleep(10.0)
@@ -157,6 +254,16 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
         client_lag_p99_ms=p99_ms(records, "lag"),
         health_p99_ms=summary(latencies)["p99"], health_bad=health_bad,
         rss_before_mb=before, rss_peak_mb=max(sampler.peak_mb, before), rss_after_mb=after,
+        server_cores=cpu.cores(cpu.server_s), generator_cores=cpu.cores(cpu.generator_s),
+        server_threads_cores={k: round(cpu.cores(v), 3) for k, v in cpu.threads_s.items()
+                              if cpu.cores(v) >= 0.005},
+        server_us_per_request=cpu.server_s / max(1, len(records)) * 1e6,
+        generator_us_per_request=cpu.generator_s / max(1, len(records)) * 1e6,
+        policy_counts=policy_counts(policy_before, policy_after),
+        other_errors=sorted({str(r.outcome.error) for r in records if not r.outcome.ok
+                             and r.outcome.status not in (503, STATUS_TIMEOUT)})[:5],
+        other_statuses=dict(Counter(r.outcome.status for r in records if not r.outcome.ok
+                                    and r.outcome.status not in (503, STATUS_TIMEOUT))),
     )  # fmt: skip
 
 
@@ -193,12 +300,21 @@ def report(found: dict[str, object], args: argparse.Namespace) -> None:
           "send) | client lag P99 ms | timeouts | other | health P99 ms | RSS MB before / peak / "
           "after |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    cpu_rows = []
     for o in found["outcomes"]:  # type: ignore[attr-defined]
         print(f"| {o.config} | {o.goodput_share:.2f} | {o.admitted_p99_ms:.0f} "
               f"({o.admitted_sent_p99_ms:.0f}) | {o.shed} | {o.shed_p99_ms:.1f} "
               f"({o.shed_sent_p99_ms:.1f}) | {o.client_lag_p99_ms:.1f} | {o.timed_out} | "
               f"{o.other} | {o.health_p99_ms:.1f} | {o.rss_before_mb:.0f} / {o.rss_peak_mb:.0f} "
               f"/ {o.rss_after_mb:.0f} |")  # fmt: skip
+        cpu_rows.append(f"  {o.config}: server {o.server_cores:.2f} cores "
+                        f"({o.server_us_per_request:.0f} us/request; by thread "
+                        f"{o.server_threads_cores}), load generator {o.generator_cores:.2f} "
+                        f"cores ({o.generator_us_per_request:.0f} us/request); other: "
+                        f"{o.other_statuses} {o.other_errors}; "
+                        f"policy: {o.policy_counts}")  # fmt: skip
+    print("CPU during the overload (of 2 cores):")
+    print("\n".join(cpu_rows))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -219,6 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repository", type=Path, default=None)
     parser.add_argument("--src", type=Path, default=Path(__file__).parent.parent / "src")
     parser.add_argument("--out", type=Path, default=Path("/tmp/overload_minute"))
+    parser.add_argument(
+        "--py-spy", action="store_true", help="record the server with py-spy during the overload"
+    )
     return parser.parse_args(argv)
 
 

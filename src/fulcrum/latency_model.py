@@ -4,7 +4,9 @@ Weighted least squares over exponentially forgotten sums (fresh as the machine d
 observation clipped to a band around the prediction (one slow outlier moves it little), and a
 fast path: several observations in a row far off the prediction mean the machine changed speed
 (another tenant, thermal throttling, a swapped GPU), so the fit is rescaled to them at once
-instead of being dragged there over dozens of batches. Pure arithmetic, O(1) per batch.
+instead of being dragged there over dozens of batches. `error` is a high quantile of how much
+slower than the fit batches run (the noise of a shared machine), for plans that must hold at the
+P99, not on average. Pure arithmetic, O(1) per batch (a sort of 256 ratios every 16 batches).
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ PRIOR_A_S = 0.001  # before any batch: 1 ms fixed cost ...
 PRIOR_C_S = 0.0001  # ... and 0.1 ms a row: only their ratio matters once one batch is seen
 MIN_WEIGHT = 1.0  # below this much evidence the prediction is not trusted to clip
 MIN_SPREAD = 0.25  # rows² of weighted variance below which the slope is not identifiable
+# How much slower than predicted a batch may run: a high quantile of observed / predicted over
+# the last ERROR_WINDOW batches, recomputed every ERROR_EVERY (a sort of the window).
+ERROR_WINDOW = 256
+ERROR_QUANTILE = 0.99
+ERROR_EVERY = 16
+MAX_ERROR = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +49,20 @@ class LatencyModel:
         self.num_observed = 0
         self.num_shifts = 0  # speed changes detected
         self._run = 0  # signed: consecutive observations far above (+) or below (-)
+        # A high quantile of observed / predicted run time (>= 1): a batch planned to end by a
+        # deadline must end by it in (nearly) every run, not on average.
+        self.error = 1.0
+        self._ratios: list[float] = []
+        self._next_ratio = 0
+        self._num_ratios = 0
 
     def predict(self, num_rows: int) -> float:
         """Predicted seconds for a batch of `num_rows` rows on one instance."""
         return self.a_s + self.c_s * num_rows
+
+    def predict_high(self, num_rows: int) -> float:
+        """Seconds a batch of `num_rows` rows takes in all but its slowest runs."""
+        return self.predict(num_rows) * self.error
 
     def max_rows(self, budget_s: float) -> int:
         """The largest batch predicted to run within `budget_s` (0 when not even one row)."""
@@ -74,7 +92,15 @@ class LatencyModel:
             # scaled prediction is already near them, so the run does not trigger again).
             self._rescale(seconds / predicted)
         elif self.trusted:
-            seconds = min(max(seconds, predicted / CLIP), predicted * CLIP)
+            raw_s, seconds = seconds, min(max(seconds, predicted / CLIP), predicted * CLIP)
+            self._add(num_rows, seconds)
+            self._solve()
+            # Against the fit that includes it: the noise around the fit, not the time the
+            # fit takes to learn a new speed (which the shift above handles); so the errors
+            # measured before a speed change stay valid after it (a noisy machine also
+            # "changes speed" often: the window must outlive that).
+            self._track_error(raw_s / self.predict(num_rows))
+            return
         self._add(num_rows, seconds)
         self._solve()
 
@@ -90,6 +116,18 @@ class LatencyModel:
             self.num_shifts += 1
             return True
         return False
+
+    def _track_error(self, ratio: float) -> None:
+        if len(self._ratios) < ERROR_WINDOW:
+            self._ratios.append(ratio)
+        else:
+            self._ratios[self._next_ratio] = ratio
+            self._next_ratio = (self._next_ratio + 1) % ERROR_WINDOW
+        self._num_ratios += 1
+        if self._num_ratios % ERROR_EVERY == 0:
+            ordered = sorted(self._ratios)
+            at = min(len(ordered) - 1, math.ceil(ERROR_QUANTILE * len(ordered)) - 1)
+            self.error = min(max(1.0, ordered[at]), MAX_ERROR)
 
     def _rescale(self, ratio: float) -> None:
         keep = MIN_WEIGHT / max(self._sw, MIN_WEIGHT)  # the past counts as one batch

@@ -5,7 +5,8 @@ keeps an online model of batch run time (`LatencyModel`) and, whenever an instan
 sheds the requests that would miss their deadline even if they ran next alone (503, Retry-After
 = the queue's predicted drain time), or moves them behind their level when its queue policy says
 "delay"; then takes, earliest deadline first (levels strictly in order), the largest batch that
-still finishes before the earliest deadline and within the per-batch share of the SLO; and waits
+still finishes before the earliest deadline in its slow runs (the fit times `LatencyModel.error`,
+as the arrival check also plans) and within the per-batch share of the SLO; and waits
 (up to max_queue_delay_ms) only while waiting cannot make the earliest request miss. It also
 bounds the queue (when the config does not) at what the instances drain within the SLO.
 """
@@ -23,10 +24,15 @@ from fulcrum.queue_bound import DerivedBound, OverheadReserve
 # The arrival check's margin on the predicted drain: a request admitted on arrival but shed
 # later at the head shows the prediction was optimistic (gaps between batches, a busy loop), so
 # each such shed raises the margin; every batch lowers it again, down to 1 (the prediction as
-# is). Under steady overload it settles where late sheds are rare: refusals then come at once.
+# is). Under steady overload it settles where raising and lowering balance: ln(1/DOWN) /
+# ln(UP) late sheds a batch, 0.02 (at 0.99 it was 0.2: one late 503 in five batches, 1-2% of
+# all 503s on minilm at 3x, which put the 503 P99 at the SLO instead of near zero).
 MARGIN_UP = 1.05  # per late shed
-MARGIN_DOWN = 0.99  # per batch
+MARGIN_DOWN = 0.999  # per batch
 MAX_MARGIN = 3.0
+# EWMA weight of one arrival in the mean time from a request's head to its queue (body read
+# and decoded): the head's check runs that much later in its prediction.
+AGE_WEIGHT = 0.02
 
 
 class AdaptivePolicy:
@@ -46,7 +52,10 @@ class AdaptivePolicy:
         self.derived = DerivedBound(self.num_instances, self.slo_s)
         self.overhead = OverheadReserve(self.slo_s)
         self.num_shed = 0
+        self.num_shed_late = 0  # of num_shed: admitted, then hopeless at the head of the queue
+        self.num_shed_head = 0  # of num_shed: refused from the request head, body unread
         self.arrival_margin = 1.0
+        self.arrival_age_s = 0.0  # mean seconds from a request's head to its queue
         self.last_predicted_s = self.last_observed_s = 0.0
         self.num_probes = 0
         self._busy_until: list[float] = []  # predicted ends of running batches (min-heap)
@@ -75,13 +84,13 @@ class AdaptivePolicy:
         # The largest batch that still finishes by the head's deadline, within the budget.
         by_deadline = self.batch_limit
         if head.state != DELAYED:  # a late one runs with the largest batch allowed
-            by_deadline = self.model.max_rows(head.due_s - now)
+            by_deadline = self.model.max_rows((head.due_s - now) / self.model.error)
         max_rows = max(head.num_rows, min(self.batch_limit, by_deadline))
         items, num_rows, can_grow = self._fill(queue, now, head, max_rows)
         if can_grow and num_rows < max_rows and self.max_queue_delay_s > 0:
             oldest_s = min(item.enqueue_s for item in items)
             wake_at_s = min(
-                oldest_s + self.max_queue_delay_s, head.due_s - self.model.predict(max_rows)
+                oldest_s + self.max_queue_delay_s, head.due_s - self.model.predict_high(max_rows)
             )
             if now < wake_at_s:
                 next_deadline_s = queue.next_deadline_s
@@ -119,10 +128,23 @@ class AdaptivePolicy:
     def on_arrival(self, queue: PendingQueue, item: Pending, now: float) -> float | None:
         """Refuse at once a request predicted to miss its deadline behind the rows ahead of it
         (its level and higher ones) and the running batches: the fast 503 an overload needs,
-        rather than a wait that ends in one. Retry-After is the whole queue's drain time."""
+        rather than a wait that ends in one. Retry-After is the whole queue's drain time.
+
+        `item` may also be a probe from the request head (not queued: its body is not read
+        yet, `DynamicBatcher.early_refusal`): then its own rows are added to the queue's, and
+        the check runs as it will when the request is queued, the measured time from the head
+        to the queue later, so that the head refuses what the full path would (at a quarter of
+        its cost) and what it lets through is rarely refused after its body was decoded."""
         if not self.model.trusted or item.timeout_action == "delay":
             return None
-        through = queue.rows_through(item.level)
+        queued = item.seq >= 0  # admit() numbers queued items; a probe keeps -1
+        if queued:
+            age_s = max(0.0, now - item.origin_s)
+            self.arrival_age_s += AGE_WEIGHT * (age_s - self.arrival_age_s)
+            own_rows, at_s = 0, now
+        else:
+            own_rows, at_s = item.num_rows, now + self.arrival_age_s
+        through = queue.rows_through(item.level) + own_rows
         ahead = max(0, through - item.num_rows)
         if ahead == 0 and self._starved(now):
             return None  # nothing ahead and no batch for a while: it runs now, as a probe
@@ -130,13 +152,16 @@ class AdaptivePolicy:
         # batch: alone on an idle instance, a request is refused only when the fit says it
         # cannot make it at all.
         drain_s = self.drain_s(through, now)
+        if ahead or self._busy_until:  # planned with the slow runs, as batches are
+            drain_s *= self.model.error
         if ahead:
             drain_s += (self.arrival_margin - 1.0) * self.drain_s(ahead, now)
-        if now + drain_s <= item.due_s:
+        if at_s + drain_s <= item.due_s:
             return None
         self.num_shed += 1
+        self.num_shed_head += not queued
         self._shed_since_start += 1
-        return self.drain_s(queue.num_rows - item.num_rows, now)  # the queue without it
+        return self.drain_s(queue.num_rows + own_rows - item.num_rows, now)  # the queue without it
 
     def observe_overhead(self, seconds: float) -> None:
         """One answered request's time in the server outside the queue and its batch."""
@@ -163,6 +188,7 @@ class AdaptivePolicy:
             "slo_p99_ms": self.slo_s * 1000,
             "batch_fixed_ms": fit.a_s * 1000,
             "batch_row_ms": fit.c_s * 1000,
+            "batch_error": self.model.error,
             "batches_observed": self.model.num_observed,
             "speed_changes": fit.num_shifts,
             "batch_limit": self.batch_limit,
@@ -171,7 +197,10 @@ class AdaptivePolicy:
             "queue_bound": self.queue_bound,
             "overhead_reserve_ms": self.overhead.reserve_s * 1000,
             "shed_deadline": self.num_shed,
+            "shed_late": self.num_shed_late,
+            "shed_head": self.num_shed_head,
             "arrival_margin": self.arrival_margin,
+            "arrival_age_ms": self.arrival_age_s * 1000,
             "probes": self.num_probes,
         }
 
@@ -208,6 +237,7 @@ class AdaptivePolicy:
         if shed:
             queue.take(shed)
             self.num_shed += len(shed)
+            self.num_shed_late += len(shed)
             self._shed_since_start += len(shed)
             self.arrival_margin = min(MAX_MARGIN, self.arrival_margin * MARGIN_UP ** len(shed))
         return shed

@@ -57,7 +57,9 @@ class DerivedBound:
         """Recompute from the model's fit at the batch size the policy runs at most."""
         if not model.trusted:
             return
-        limit_s = model.predict(batch_limit)
+        # Its slow runs, not its mean: the bound then agrees with the adaptive policy's arrival
+        # check (which plans with them too), so an overload meets the O(1) full queue first.
+        limit_s = model.predict_high(batch_limit)
         capacity_rows_s = self.num_instances * batch_limit / limit_s
         if self.slo_s > 0:
             # Admitted requests must drain, then run in their own batch, within the SLO.

@@ -106,7 +106,11 @@ async def test_adaptive_queue_bound_follows_the_measured_capacity(tmp_path: Path
     assert isinstance(bound, int) and 0 < bound < 64 * 4  # measured, tighter than the default
     shed = policy["shed"]
     assert isinstance(shed, dict) and sum(shed.values()) == len(refused)
-    # Admission refuses most of the flood; what was admitted ran, or was shed (503, not 504)
-    # when the event loop, busy admitting the flood, left it too little time.
-    assert shed["queue_full"] > NUM_REQUESTS // 2
+    # Admission refuses most of the flood at once, the queue full or (batch times noisy, the
+    # policy planning with their slow runs) the request predicted late on arrival; what was
+    # admitted ran, or was shed late (503, not 504) when the event loop, busy admitting the
+    # flood, left it too little time.
+    late = policy["shed_late"]
+    assert isinstance(late, int)
+    assert shed.get("queue_full", 0) + shed.get("deadline", 0) - late > NUM_REQUESTS // 2
     assert sample == shed.get("queue_full", 0)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from fulcrum.latency_model import SHIFT_RUN, LatencyModel
+from fulcrum.latency_model import ERROR_QUANTILE, ERROR_WINDOW, SHIFT_RUN, LatencyModel
 
 
 def true_time(rows: int, scale: float = 1.0) -> float:
@@ -91,3 +92,33 @@ def test_nonsense_observations_are_ignored() -> None:
     model.observe(4, float("nan"))
     model.observe(4, float("inf"))
     assert model.num_observed == 0
+
+
+def test_the_error_is_a_high_quantile_of_the_noise_around_the_fit() -> None:
+    rng = np.random.default_rng(5)
+    model = LatencyModel()
+    feed(model, [1, 4, 8, 16, 32] * 10)
+    assert model.error == pytest.approx(1.0)  # exact observations: nothing to add
+    ratios = rng.lognormal(0.0, 0.2, 512)
+    for i, ratio in enumerate(ratios):
+        rows = [1, 4, 8, 16, 32][i % 5]
+        model.observe(rows, true_time(rows) * float(ratio))
+    expected = float(np.quantile(ratios[-ERROR_WINDOW:], ERROR_QUANTILE))
+    assert model.error == pytest.approx(expected, rel=0.15)
+    assert model.predict_high(8) == pytest.approx(model.predict(8) * model.error)
+
+
+def test_a_speed_change_leaves_the_error_to_the_noise() -> None:
+    rng = np.random.default_rng(6)
+    model = LatencyModel()
+    sizes = [1, 4, 8, 16, 32]
+    for i in range(300):
+        model.observe(sizes[i % 5], true_time(sizes[i % 5]) * float(rng.lognormal(0.0, 0.2)))
+    noisy = model.error
+    assert noisy > 1.2
+    for i in range(300):  # 3x slower, just as noisy: detected, and the error stays the noise's
+        rows = sizes[i % 5]
+        model.observe(rows, true_time(rows, 3.0) * float(rng.lognormal(0.0, 0.2)))
+    assert model.num_shifts >= 1
+    assert model.error == pytest.approx(noisy, rel=0.25)
+    assert model.predict(8) == pytest.approx(true_time(8, 3.0), rel=0.15)

@@ -477,6 +477,6 @@ def test_late_sheds_make_the_arrival_check_stricter_and_batches_relax_it() -> No
     queue.admit(newcomer, priority=None, timeout_s=None)
     assert policy.drain_s(70, 0.010) < 0.050 < 1.05**5 * policy.drain_s(70, 0.010)
     assert policy.on_arrival(queue, newcomer, 0.010) is not None
-    for _ in range(100):  # batches that run relax it back to the plain prediction
+    for _ in range(300):  # batches that run relax it back to the plain prediction
         policy.observe(record(8, linear(8)))
     assert policy.arrival_margin == 1.0
