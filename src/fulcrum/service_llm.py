@@ -66,6 +66,11 @@ class LLMServable:
         """Requests admitted and not finished: while any runs, the model is not unloaded."""
         return self.engine.num_streams
 
+    @property
+    def child_pids(self) -> tuple[int, ...]:
+        """Processes holding this model's weights (its engine process), for the memory budget."""
+        return self.engine.child_pids
+
     async def stop(self) -> None:
         await self.engine.stop()
 

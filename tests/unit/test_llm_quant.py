@@ -69,13 +69,15 @@ def test_quantize_dequantize_round_trip_is_within_half_a_step() -> None:
 
 
 @pytest.mark.parametrize("bf16", [True, False])  # float32 inputs computed in bf16, or not
-@pytest.mark.parametrize("num_rows", [1, 5, quant.FUSED_MAX_ROWS + 7])  # fused and prefill paths
+@pytest.mark.parametrize("num_rows", [1, 5, 39])
+@pytest.mark.parametrize("max_rows", [None, 4])  # None: fused for every row count (shipped)
 def test_int8_linear_matches_the_float_layer_within_the_quantization_error(
-    num_rows: int, bf16: bool, monkeypatch: pytest.MonkeyPatch
+    num_rows: int, bf16: bool, max_rows: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if bf16 and not quant.cpu_has_bf16():
         pytest.skip("this CPU has no native bfloat16")
     monkeypatch.setattr(quant, "cpu_has_bf16", lambda: bf16)
+    monkeypatch.setattr(quant, "FUSED_MAX_ROWS", max_rows)  # 4: 5 and 39 rows dequantize
     gen = torch.Generator().manual_seed(1)
     linear = torch.nn.Linear(96, 40, bias=True)
     with torch.no_grad():

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fulcrum.config import ModelConfig
@@ -18,15 +17,18 @@ from fulcrum.lifecycle.idle import BUSY_RECHECK_S, Activity, num_in_flight, plan
 from fulcrum.lifecycle.memory import (
     MemoryProbe,
     ProcessMemory,
+    ProcessRss,
     Resident,
     folder_bytes,
     import_libraries,
     over_budget,
+    owned_bytes,
     plan_eviction,
+    process_rss_bytes,
 )
+from fulcrum.lifecycle.record import ModelLife, woken
 from fulcrum.metrics import LifecycleMetrics
 from fulcrum.repository import Loader, ModelRepository, Servable
-from fulcrum.stats import LifecycleStats
 from fulcrum.types import Clock, MonotonicClock
 
 log = logging.getLogger(__name__)
@@ -38,19 +40,6 @@ MAX_RETRY_S = 60.0
 # The budget never evicts a model used this recently: an LLM request between its prompt's
 # preparation and its admission to the engine holds no lease the budget could see.
 EVICTION_GRACE_S = 1.0
-
-
-@dataclass
-class ModelLife:
-    """One model's use and load record; it outlives the model's loads."""
-
-    last_used_s: float
-    memory_bytes: int = 0  # measured at its last load
-    wake: asyncio.Task[None] | None = None  # the cold start under way
-    retry_at_s: float = 0.0  # no new cold start before this (after a failure)
-    num_failures: int = 0  # failed cold starts in a row
-    last_error: str = ""  # why the last cold start failed
-    stats: LifecycleStats = field(default_factory=LifecycleStats)
 
 
 class ModelLifecycle:
@@ -65,6 +54,7 @@ class ModelLifecycle:
         memory_budget_bytes: int | None = None,
         clock: Clock | None = None,
         probe: MemoryProbe | None = None,
+        process_rss: ProcessRss | None = None,
     ) -> None:
         self.clock: Clock = clock or MonotonicClock()
         self.repository = ModelRepository(root, self._measured)
@@ -72,6 +62,7 @@ class ModelLifecycle:
         self._loader = loader
         self._metrics = metrics
         self._probe = probe or ProcessMemory()
+        self._process_rss = process_rss or process_rss_bytes  # a model's own processes
         self._models: dict[str, ModelLife] = {}
         # Under a budget, loads run one at a time: each one's memory is measured alone, and an
         # eviction decided for one load is not undone by another. Without one they overlap (a
@@ -152,9 +143,8 @@ class ModelLifecycle:
             # holds, though RSS now grows less (the allocator reuses the pages the park freed).
             kept_bytes = life.memory_bytes if wake else 0
             life.memory_bytes = max(measured_bytes, self._disk_bytes(name), kept_bytes)
-            life.last_used_s = self.clock.now()
-            life.stats.memory_bytes = life.memory_bytes
-            self._metrics.memory_bytes.labels(name).set(life.memory_bytes)
+            life.own_bytes, life.last_used_s = measured_bytes, self.clock.now()
+            self._memory_of(name, life)  # its own processes' RSS, where it has any
         self._changed.set()
 
     async def _measured(
@@ -172,8 +162,18 @@ class ModelLifecycle:
 
     @property
     def used_bytes(self) -> int:
-        """Memory of the loaded models, as measured at their loads."""
-        return sum(self._models[n].memory_bytes for n in self._loaded_names() if n in self._models)
+        """Memory of the loaded models, as measured at their loads (processes of their own: now)."""
+        models = self._models
+        return sum(self._memory_of(n, models[n]) for n in self._loaded_names() if n in models)
+
+    def _memory_of(self, name: str, life: ModelLife) -> int:
+        """A loaded model's figure, its own processes' RSS read now (`owned_bytes`); while they
+        cannot be read it keeps its figure (after its load: the files on disk)."""
+        servables = (s for c, _, s in self.repository.loaded() if c.name == name)
+        found = owned_bytes(servables, life.own_bytes, self._process_rss)
+        life.memory_bytes = life.stats.memory_bytes = life.memory_bytes if found is None else found
+        self._metrics.memory_bytes.labels(name).set(life.memory_bytes)
+        return life.memory_bytes
 
     def _estimate(self, name: str, override: dict[str, object] | None) -> int:
         """What a load of `name` will take: its last measured figure, else its size on disk."""
@@ -223,7 +223,8 @@ class ModelLifecycle:
                 and not self._busy(name)
                 and now - life.last_used_s >= EVICTION_GRACE_S
             )
-            residents.append(Resident(name, life.memory_bytes, life.last_used_s, evictable))
+            memory_bytes = self._memory_of(name, life)
+            residents.append(Resident(name, memory_bytes, life.last_used_s, evictable))
         return residents
 
     # --- requests: leases and wakes ---------------------------------------------------------
@@ -250,7 +251,7 @@ class ModelLifecycle:
                     retry_after_s=left_s,
                 )
             life.wake = asyncio.create_task(self._cold_start(name, life), name=f"wake-{name}")
-            life.wake.add_done_callback(lambda task: _woken(life, task))
+            life.wake.add_done_callback(lambda task: woken(life, task))
         config = self.repository.config_of(name)
         timeout_s = config.lifecycle.load_timeout_s if config is not None else None
         deadline_left_s = ctx.remaining_s(time.monotonic())  # 504 if it passed already
@@ -384,12 +385,6 @@ class ModelLifecycle:
         if life is None:
             life = self._models[name] = ModelLife(last_used_s=self.clock.now())
         return life
-
-
-def _woken(life: ModelLife, task: asyncio.Task[None]) -> None:
-    life.wake = None
-    if not task.cancelled():
-        task.exception()  # its waiters have it; retrieved here for when none waits any more
 
 
 def _min(a: float | None, b: float | None) -> float | None:

@@ -1,5 +1,6 @@
 """What a loaded model costs and what the budget allows: the process's memory as a probe reads
-it, a model's size on disk as a floor, and the pure choice of which idle models to evict."""
+it, a model's size on disk as a floor, the resident memory of the processes a model owns (an LLM
+engine process), and the pure choice of which idle models to evict."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -34,12 +35,37 @@ class ProcessMemory:
 
 
 def _rss_bytes() -> int:
+    return process_rss_bytes("self") or 0  # no /proc: the on-disk floor alone sizes each model
+
+
+# A process id -> its resident set size in bytes, None when it cannot be read (it has exited).
+ProcessRss = Callable[[int], int | None]
+
+
+def process_rss_bytes(pid: int | str) -> int | None:
+    """Resident set size of process `pid` ("self": this one) from /proc (Linux), else None."""
     try:
-        with open("/proc/self/statm", "rb") as statm:
+        with open(f"/proc/{pid}/statm", "rb") as statm:
             resident_pages = int(statm.read().split()[1])
     except (OSError, ValueError, IndexError):
-        return 0  # no /proc: the on-disk floor alone sizes each model
+        return None
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def child_pids(servables: Iterable[object]) -> tuple[int, ...]:
+    """The processes the servables own (`child_pids`: an LLM's engine process), whose memory
+    this process's RSS does not hold."""
+    return tuple(pid for s in servables for pid in getattr(s, "child_pids", ()))
+
+
+def owned_bytes(servables: Iterable[object], own_bytes: int, rss: ProcessRss) -> int | None:
+    """What a model whose weights live in processes of its own costs now: their resident
+    memory, read now, plus `own_bytes` (what its load grew this process by); None when it owns
+    no process or one cannot be read (exited: restarting)."""
+    sizes = [rss(pid) for pid in child_pids(servables)]
+    if not sizes or any(size is None for size in sizes):
+        return None
+    return own_bytes + sum(size or 0 for size in sizes)
 
 
 def _cuda_bytes() -> int:

@@ -119,6 +119,13 @@ class AsyncLLMEngine(AsyncTextFront):
         return len(self._streams)
 
     @property
+    def child_pids(self) -> tuple[int, ...]:
+        """The engine process's pid (`engine_process = true`; none for a thread): the memory
+        budget counts its resident memory."""
+        pid = getattr(self._client, "pid", None)
+        return (pid,) if isinstance(pid, int) else ()
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

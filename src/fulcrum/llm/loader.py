@@ -1,7 +1,9 @@
 """Load a Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json and the
 tokenizer/generation configs (eos ids, chat template). Safetensors only: pickle is never read.
 A `fulcrum quantize` file (`model.int8.safetensors`, `model.int4.safetensors`) is read only when
-`model_file` names it; AWQ / GPTQ int4 checkpoints are read by `quant_formats`."""
+`model_file` names it; AWQ / GPTQ int4 checkpoints are read by `quant_formats`. The model is
+built on the meta device and each tensor is read from its file straight into its final memory
+(a quantized layer's into its int8 / int4 buffers): a load peaks near what the model keeps."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer
+from torch.overrides import TorchFunctionMode
 
 from fulcrum.errors import ConfigError
 from fulcrum.llm import quant, quant_formats
 from fulcrum.llm.models import CausalLM, build_model
+from fulcrum.llm.weight_file import WeightFile
 
 # Non-parameter tensors some checkpoints carry (causal-mask and RoPE buffers); recomputed here.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -63,7 +67,7 @@ def load_checkpoint(
     if dtype not in DTYPES:
         raise ConfigError(f"key 'dtype' = {dtype!r}: expected one of {sorted(DTYPES)}")
     raw_config = read_json(directory / "config.json")
-    module = build_model(raw_config)
+    module = build_empty(raw_config)
     model: CausalLM = module  # type: ignore[assignment]
     files, found = weight_files(directory, model_file)
     external = quant_formats.external_format(raw_config)  # AWQ / GPTQ int4, else None
@@ -74,9 +78,9 @@ def load_checkpoint(
             f"weights (its {quant.QUANT_KEY!r} metadata); check key 'parameters.model_file'"
         )
     if external is not None:
-        quant_formats.load_external(module, model, files, external)
+        quant_formats.load_external(module, model, files, external, DTYPES[dtype])
     else:
-        _load_weights(module, model, files, quantized=found != quant.NONE)
+        _load_weights(module, model, files, quantized=found != quant.NONE, dtype=DTYPES[dtype])
     module.to(dtype=DTYPES[dtype], device=torch.device(device)).eval()
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
@@ -97,6 +101,36 @@ def load_checkpoint(
         max_model_len=model.max_model_len,
         prefix_cache_key=_prefix_cache_key(module),
     )
+
+
+class _SkipInit(TorchFunctionMode):
+    """Drops the in-place initialisation of meta tensors (`nn.init.normal_`, `uniform_`):
+    there is nothing to fill, and torch runs those through its Python references, whose first
+    use imports torch._dynamo and sympy (about 80 MB resident for good)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        first = args[0] if args else kwargs.get("tensor")
+        in_place = name.endswith("_") and not name.endswith("__")
+        if in_place and isinstance(first, torch.Tensor) and first.is_meta:
+            return first
+        return func(*args, **kwargs)
+
+
+def build_empty(raw_config: dict[str, Any]) -> torch.nn.Module:
+    """The model for `raw_config` with its parameters on the meta device (no memory, no
+    initialisation): a quantized layer replaces its float shell before any is allocated, and
+    `materialize` then gives the rest memory the checkpoint fills. Computed buffers (RoPE
+    tables) are real. The device context and the mode are this thread's only."""
+    with torch.device("meta"), _SkipInit():
+        return build_model(raw_config)
 
 
 def _prefix_cache_key(module: torch.nn.Module) -> Callable[[int], str | None]:
@@ -128,29 +162,31 @@ def weight_files(directory: Path, model_file: str) -> tuple[list[Path], str]:
 
 
 def _load_weights(
-    module: torch.nn.Module, model: CausalLM, files: list[Path], *, quantized: bool
+    module: torch.nn.Module,
+    model: CausalLM,
+    files: list[Path],
+    *,
+    quantized: bool,
+    dtype: torch.dtype,
 ) -> None:
-    from safetensors import safe_open
-
     if quantized:  # quantized layers first, so their buffers are there to be filled by name
         quant.install_shells(module, files[0])
+    materialize(module, dtype)
     params = quant.loadable_tensors(module)
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+            with WeightFile(file) as handle:
+                for key in handle.names():
                     if key.endswith(_IGNORED_SUFFIXES):
                         continue
                     # Quantized files hold our own names and (out, in) layout already.
                     name = key if quantized else model.checkpoint_name(key)
                     if name not in params:
                         raise ConfigError(f"{file}: unexpected weight {key!r}")
-                    tensor = handle.get_tensor(key)
                     transposed = name.endswith(model.transposed_weights)
-                    if transposed and not quantized and name != "lm_head.weight":
-                        tensor = tensor.t()
-                    _copy(params[name], tensor, file, key)
+                    transposed = transposed and not quantized and name != "lm_head.weight"
+                    fill(params[name], handle, key, transposed=transposed)
                     loaded.add(name)
     # A tied head shares its tensor with the embedding, so named_parameters lists it once.
     missing = sorted(set(params) - loaded)
@@ -159,12 +195,36 @@ def _load_weights(
         raise ConfigError(f"{names}: weights missing from the checkpoint: {missing[:5]}")
 
 
-def _copy(param: torch.Tensor, tensor: torch.Tensor, file: Path, key: str) -> None:
-    if param.shape != tensor.shape:
+def materialize(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every parameter still on the meta device CPU memory of `dtype`, uninitialised (the
+    checkpoint fills it); a tied parameter stays one tensor."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for child in module.modules():
+        for name, param in list(child.named_parameters(recurse=False)):
+            if not param.is_meta:
+                continue
+            real = made.get(id(param))
+            if real is None:
+                empty = torch.empty(param.shape, dtype=dtype, device="cpu")
+                real = made[id(param)] = torch.nn.Parameter(empty, param.requires_grad)
+            setattr(child, name, real)
+
+
+def fill(param: torch.Tensor, handle: WeightFile, key: str, *, transposed: bool = False) -> None:
+    """Copy tensor `key` (stored transposed when `transposed`) into `param`: read in place
+    when its dtype and layout allow, else through one tensor-sized buffer."""
+    entry = handle.entry(key)
+    shape = entry.shape[::-1] if transposed else entry.shape
+    if tuple(param.shape) != shape:
         raise ConfigError(
-            f"{file}: weight {key!r} has shape {list(tensor.shape)}, expected {list(param.shape)}"
+            f"{handle.path}: weight {key!r} has shape {list(shape)}, expected {list(param.shape)}"
         )
-    param.copy_(tensor.to(param.dtype))
+    in_place = param.dtype == entry.dtype and param.is_contiguous() and param.device.type == "cpu"
+    if in_place and (not transposed or param.dim() < 2):
+        handle.read_into(key, param)
+        return
+    tensor = handle.read(key)
+    param.copy_((tensor.t() if transposed else tensor).to(param.dtype))
 
 
 def _optional_json(path: Path) -> dict[str, Any]:

@@ -27,8 +27,15 @@ QUANTIZATIONS = (NONE, INT8, INT4)
 LM_HEAD = "lm_head"
 SCALE_SUFFIX = ".weight_scale"
 INT4_SUFFIXES = (".qweight", ".scales", ".zeros")  # an int4 layer's tensors in a file
-# Rows up to which the fused int8 kernel runs (decode steps); above it a prefill dequantizes once.
-FUSED_MAX_ROWS = 32
+# Rows up to which the fused int8 kernel runs on a CPU computing in bf16 (None: every row
+# count); above it a prefill dequantizes once. None: the kernel computes each row alone, so a
+# row's result never depends on the rows beside it (see `quant_int4.FUSED_MAX_ROWS`: a
+# prefix-cache hit must not change a greedy token). Its cost is in prefills: at 256 rows of a
+# 1B layer it took 1.3-2.15x the dequantized matmul here (benchmarks/llm_quant_rows.py).
+FUSED_MAX_ROWS: int | None = None
+# The same where it computes in float32 (no native bf16): the kernel is slow there, so prefill
+# steps keep the dequantized matmul, and rows are not batch-invariant.
+FLOAT32_FUSED_MAX_ROWS = 32
 _QMAX = 127  # symmetric: -128 is never used, so negating a weight never overflows
 
 
@@ -80,8 +87,10 @@ class Int8Linear(nn.Module):
         compute = _cpu_compute_dtype(x.dtype) if x2.device.type == "cpu" else x.dtype
         x2 = x2.to(compute).contiguous()  # the kernel wants 2-D, row-contiguous input
         scale = self.weight_scale.to(compute)
-        if x2.device.type == "cpu" and x2.shape[0] <= FUSED_MAX_ROWS:
-            # Decode steps: the fused kernel reads the int8 weights directly (no float copy).
+        max_rows = FUSED_MAX_ROWS if compute == torch.bfloat16 else FLOAT32_FUSED_MAX_ROWS
+        fused_rows = max_rows is None or x2.shape[0] <= max_rows
+        if x2.device.type == "cpu" and fused_rows:
+            # The fused kernel reads the int8 weights directly (no float copy).
             out = torch._weight_int8pack_mm(x2, self.weight, scale)  # (M, N)
         else:
             # Many rows (a prefill) or no fused kernel (GPU): a float copy of the weights costs

@@ -164,35 +164,47 @@ def convert_layer(tensors: dict[str, torch.Tensor], fmt: ExternalFormat) -> Int4
 
 
 def load_external(
-    module: torch.nn.Module, model: CausalLM, files: list[Path], fmt: ExternalFormat
+    module: torch.nn.Module,
+    model: CausalLM,
+    files: list[Path],
+    fmt: ExternalFormat,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Fill `module` from an AWQ/GPTQ checkpoint: each packed layer becomes an `Int4Linear`,
-    every other tensor is copied as from a float checkpoint; ConfigError when one is missing."""
-    from safetensors import safe_open
+    """Fill `module` (built on the meta device) from an AWQ/GPTQ checkpoint: each packed layer
+    becomes an `Int4Linear`, converted as soon as its tensors are read; every other tensor is
+    read into its parameter as from a float checkpoint; ConfigError when one is missing."""
+    from fulcrum.llm.loader import _IGNORED_SUFFIXES, fill, materialize
+    from fulcrum.llm.weight_file import WeightFile
 
-    from fulcrum.llm.loader import _IGNORED_SUFFIXES, _copy
-
-    packed: dict[str, dict[str, torch.Tensor]] = {}
-    floats: list[tuple[Path, str, torch.Tensor]] = []
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+    loaded: set[str] = set()
+    for file in files:  # packed layers first: no float shell of theirs is ever allocated
+        with WeightFile(file) as handle:
+            layers: dict[str, list[str]] = {}
+            for key in handle.names():
                 if key.endswith(PACKED_SUFFIXES):
-                    layer, _, suffix = key.rpartition(".")
-                    packed.setdefault(layer, {})[suffix] = handle.get_tensor(key)
-                elif not key.endswith(_IGNORED_SUFFIXES):
-                    floats.append((file, key, handle.get_tensor(key)))
-    loaded = _install_int4(module, model, packed, fmt)
+                    layers.setdefault(key.rpartition(".")[0], []).append(key)
+            for layer, keys in layers.items():
+                tensors = {key.rpartition(".")[2]: handle.read(key) for key in keys}
+                loaded |= _install_int4(module, model, layer, tensors, fmt)
+    materialize(module, dtype)
     params = quant.loadable_tensors(module)
     with torch.no_grad():
-        for file, key, tensor in floats:
-            name = model.checkpoint_name(key)
-            if name not in params:
-                raise ConfigError(f"{file}: unexpected weight {key!r}")
-            if name.endswith(model.transposed_weights) and name != "lm_head.weight":
-                tensor = tensor.t()
-            _copy(params[name], tensor, file, key)
-            loaded.add(name)
+        for file in files:
+            with WeightFile(file) as handle:
+                for key in handle.names():
+                    if key.endswith(PACKED_SUFFIXES) or key.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    name = model.checkpoint_name(key)
+                    if name not in params:
+                        raise ConfigError(f"{file}: unexpected weight {key!r}")
+                    transposed = name.endswith(model.transposed_weights)
+                    fill(
+                        params[name],
+                        handle,
+                        key,
+                        transposed=transposed and name != "lm_head.weight",
+                    )
+                    loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ConfigError(f"{files[0].parent}: weights missing from the checkpoint: {missing[:5]}")
@@ -201,21 +213,19 @@ def load_external(
 def _install_int4(
     module: torch.nn.Module,
     model: CausalLM,
-    packed: dict[str, dict[str, torch.Tensor]],
+    layer: str,
+    tensors: dict[str, torch.Tensor],
     fmt: ExternalFormat,
 ) -> set[str]:
-    """Swap each packed layer's float shell for a filled `Int4Linear`; the names it filled."""
-    filled: set[str] = set()
-    for layer, tensors in packed.items():
-        name = model.checkpoint_name(f"{layer}.weight").removesuffix(".weight")
-        linear = quant.linear_layer(module, name)
-        shell = Int4Linear(
-            linear.in_features, linear.out_features, linear.bias is not None, fmt.group_size
-        )
-        try:
-            shell.load(convert_layer(tensors, fmt))
-        except ConfigError as exc:
-            raise ConfigError(f"{fmt.method} layer {layer!r}: {exc.message}") from exc
-        quant.set_layer(module, name, shell)
-        filled.update(f"{name}{suffix}" for suffix in quant.INT4_SUFFIXES)
-    return filled
+    """Swap one packed layer's float shell for a filled `Int4Linear`; the names it filled."""
+    name = model.checkpoint_name(f"{layer}.weight").removesuffix(".weight")
+    linear = quant.linear_layer(module, name)
+    shell = Int4Linear(
+        linear.in_features, linear.out_features, linear.bias is not None, fmt.group_size
+    )
+    try:
+        shell.load(convert_layer(tensors, fmt))
+    except ConfigError as exc:
+        raise ConfigError(f"{fmt.method} layer {layer!r}: {exc.message}") from exc
+    quant.set_layer(module, name, shell)
+    return {f"{name}{suffix}" for suffix in quant.INT4_SUFFIXES}

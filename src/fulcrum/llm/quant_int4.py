@@ -1,6 +1,6 @@
 """Int4 weight-only linear layers: group-wise (32/64/128/256 input columns share one float scale
 and one integer zero point), asymmetric or symmetric, packed two per byte. The canonical layout
-(`pack_int4`) is what files hold; on a CPU with native bfloat16 a decode step runs torch's fused
+(`pack_int4`) is what files hold; on a CPU with native bfloat16 every step runs torch's fused
 `_weight_int4pack_mm_for_cpu` kernel on a copy repacked to its layout, built on first use."""
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from fulcrum.llm.quant_matmul import CHUNK_ROWS, dequantized_linear
 
 GROUP_SIZES = (32, 64, 128, 256)  # what torch's fused CPU kernel accepts
 DEFAULT_GROUP_SIZE = 128
-# Rows up to which the fused kernel runs; above it one dequantized bf16 copy serves all rows (a
-# prefill). Measured on a loaded 2-core Zen 4, one 8192x2048 layer: fused is 4-8x float32 at 1-8
-# rows; at 32 rows it costs about what dequantizing (40-70 ms) plus a bf16 matmul does, and
-# grows with the rows where the dequantized matmul barely does.
-FUSED_MAX_ROWS = 32
+# Rows up to which the fused kernel runs (None: every row count); above it one dequantized bf16
+# copy serves all rows. None, so that a row's result never depends on the rows beside it: the
+# kernel computes each row alone (the same bits at 1 row and at 96), while the two paths round
+# differently, and a prefix-cache hit (a few rows) would flip greedy tokens of a full prefill
+# (many rows). Measured on a 2-core Zen 4, 1B layers: fused is 4-8x float32
+# at 1-8 rows; at 256 rows it took 1.1-1.25x the dequantized path (benchmarks/llm_quant_rows.py
+# measures the whole model's prefill cost).
+FUSED_MAX_ROWS: int | None = None
 _QMAX = 15
 _SYM_ZERO = 8  # symmetric: q - 8 in [-8, 7]
 _KERNEL_BLOCK_N = 64  # the fused kernel packs 64 output rows at a time
@@ -200,7 +203,8 @@ class Int4Linear(nn.Module):
         """This layer's weights in the canonical layout (as files hold them)."""
         if self._kernel is None:
             return Int4Weight(self.qweight, self.scales, self.zeros)
-        return Int4Weight(pack_int4(from_kernel_layout(self.qweight)), self.scales, self.zeros)
+        q = from_kernel_layout(self.qweight)[: self.out_features]  # padding rows cut
+        return Int4Weight(pack_int4(q), self.scales, self.zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -208,13 +212,13 @@ class Int4Linear(nn.Module):
         padded = 2 * self.qweight.shape[1]
         if padded != self.in_features:  # zero columns meet zero weights
             x2 = F.pad(x2, (0, padded - self.in_features))
-        if x2.shape[0] <= FUSED_MAX_ROWS and self._fusable(x2):
+        if _within(x2.shape[0], FUSED_MAX_ROWS) and self._fusable(x2):
             packed, scales_zeros = self._kernel_weights()
             # bf16 activations, as for int8: the kernel's float32 path is 4x slower than a
             # float32 matmul here, its bf16 path 8x faster.
             out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(torch.bfloat16).contiguous(), packed, self.group_size, scales_zeros
-            )  # (M, N)
+            )[:, : self.out_features]  # (M, N)
         else:
             compute = _compute_dtype(x2)
 
@@ -230,7 +234,6 @@ class Int4Linear(nn.Module):
     def _fusable(self, x2: torch.Tensor) -> bool:
         return (
             x2.device.type == "cpu"
-            and self.out_features % _KERNEL_BLOCK_N == 0
             and x2.dtype in (torch.float32, torch.bfloat16)
             and cpu_bf16.cpu_has_bf16()
         )
@@ -247,26 +250,44 @@ class Int4Linear(nn.Module):
 
     def _kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._kernel is None:
-            scales = self.scales.float()
+            # The kernel takes whole 64-row blocks: a layer of another width gets zero rows,
+            # cut from its output, rather than another path (whose rounding differs).
+            pad = -self.out_features % _KERNEL_BLOCK_N
+            qweight, scales = _pad_rows(self.qweight, pad), _pad_rows(self.scales.float(), pad)
             # The kernel computes (q - 8) * scale + zero_f: zero_f moves our integer zero.
-            zero_f = (_SYM_ZERO - self.zeros.float()) * scales  # (N, G)
-            scales_zeros = torch.stack((scales.t(), zero_f.t()), dim=-1)  # (G, N, 2)
-            packed = kernel_layout(self.qweight)
+            zero_f = (_SYM_ZERO - _pad_rows(self.zeros, pad).float()) * scales  # (Np, G)
+            scales_zeros = torch.stack((scales.t(), zero_f.t()), dim=-1)  # (G, Np, 2)
+            packed = kernel_layout(qweight)
             self._kernel = (packed, scales_zeros.to(torch.bfloat16).contiguous())
             self.qweight = packed  # the canonical copy is dropped: see `_kernel`
         return self._kernel
 
     def _dequantized(self, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
-        """Output rows [lo, hi) as float (rows, Kp); in the kernel's layout lo and hi are
-        multiples of its 64-row blocks (`CHUNK_ROWS` is, and N then is)."""
-        packed, scales, zeros = self.qweight[lo:hi], self.scales[lo:hi], self.zeros[lo:hi]
-        if self._kernel is not None and dtype == torch.bfloat16 and packed.is_cpu:
+        """Output rows [lo, hi) as float (rows, Kp); in the kernel's layout lo is a multiple of
+        its 64-row blocks (`CHUNK_ROWS` is) and whole blocks are read, padding cut."""
+        scales, zeros = self.scales[lo:hi], self.zeros[lo:hi]
+        if self._kernel is None:
+            return _dequantize(unpack_int4(self.qweight[lo:hi]), scales, zeros, dtype)
+        pad = -(hi - lo) % _KERNEL_BLOCK_N
+        packed = self.qweight[lo : hi + pad]
+        scales, zeros = _pad_rows(scales, pad), _pad_rows(zeros, pad)
+        if dtype == torch.bfloat16 and packed.is_cpu:
             from fulcrum.llm.quant_int4_kernel import dequantize_kernel_layout
 
-            return dequantize_kernel_layout(packed, scales, zeros)
-        canonical = self._kernel is None
-        q = unpack_int4(packed) if canonical else from_kernel_layout(packed)
-        return _dequantize(q, scales, zeros, dtype)  # (rows, Kp)
+            return dequantize_kernel_layout(packed, scales, zeros)[: hi - lo]
+        return _dequantize(from_kernel_layout(packed), scales, zeros, dtype)[: hi - lo]
+
+
+def _pad_rows(t: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`t` with `num_rows` more rows of ones (scales) or zeros (weights, zero points)."""
+    if not num_rows:
+        return t
+    fill = torch.ones if t.is_floating_point() else torch.zeros
+    return torch.cat((t, fill(num_rows, *t.shape[1:], dtype=t.dtype, device=t.device)))
+
+
+def _within(num_rows: int, max_rows: int | None) -> bool:
+    return max_rows is None or num_rows <= max_rows
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

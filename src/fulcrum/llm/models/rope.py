@@ -314,8 +314,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: RopeConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        freq, self.attention_factor = inv_freq(config)
-        cos, sin = self._cos_sin(torch.arange(max_positions).float()[:, None] * freq[None, :])
+        # Computed, never loaded: real tables even when the model is built on the meta device.
+        with torch.device("cpu"):
+            freq, self.attention_factor = inv_freq(config)
+            cos, sin = self._cos_sin(torch.arange(max_positions).float()[:, None] * freq[None, :])
         self.cos: torch.Tensor
         self.sin: torch.Tensor
         self.register_buffer("cos", cos, persistent=False)
