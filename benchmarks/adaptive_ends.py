@@ -88,6 +88,7 @@ class Server:
     points: dict[str, list[PointResult]] = field(default_factory=dict)
     max_rates: list[float | None] = field(default_factory=list)
     idle_cpu_s: float | None = None
+    rss_bytes: int | None = None  # resident memory at the idle measurement
 
     @property
     def max_rate(self) -> float | None:
@@ -207,12 +208,14 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
 
 
 def idle_cpu(all_servers: list[Server], seconds: float) -> None:
-    """Each server's CPU seconds (all its threads) over `seconds` with no requests at all."""
+    """Each server's CPU seconds (all its threads) over `seconds` with no requests at all, and
+    its resident memory then."""
     procs = {s.name: _listener(s.url) for s in all_servers}
     before = {name: _cpu_s(p) for name, p in procs.items()}
     time.sleep(seconds)  # the measurement itself: every server sits idle this long
     for server in all_servers:
         server.idle_cpu_s = _cpu_s(procs[server.name]) - before[server.name]
+        server.rss_bytes = int(procs[server.name].memory_info().rss)
 
 
 def _listener(url: str) -> psutil.Process:
@@ -257,10 +260,12 @@ def ends_report(all_servers: list[Server], capacity: float, args: argparse.Names
         print(f"{server.name}: P99 spread over repeats {mid}; max rate vs bare {ratio} (goal 1.5x)")
     for server in all_servers:
         if server.idle_cpu_s is not None:
-            print(f"{server.name}: {server.idle_cpu_s:.2f} CPU s over {args.idle_s:g} s idle")
+            rss_mb = (server.rss_bytes or 0) / 2**20
+            print(f"{server.name}: {server.idle_cpu_s:.2f} CPU s over {args.idle_s:g} s idle, "
+                  f"RSS {rss_mb:.0f} MiB")  # fmt: skip
     data = {
         s.name: {"max_rates": s.max_rates, "max_rate": s.max_rate, "idle_cpu_s": s.idle_cpu_s,
-                 "points": _points_json(s)}
+                 "rss_bytes": s.rss_bytes, "points": _points_json(s)}
         for s in all_servers
     }  # fmt: skip
     (args.out / "ends.json").write_text(json.dumps({"capacity_rps": capacity, **data}, indent=1))

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/idle_penalty.py
     .venv/bin/python benchmarks/idle_penalty.py --spin [--rounds 3]
+    .venv/bin/python benchmarks/idle_penalty.py --batch-cost [--rounds 8]
 
 Times one-sentence `backend.execute` calls back to back, then after a sleep or a busy wait of
 2, 10, 50 and 200 ms. Explains light-load latency on a shared VM; it measures the machine.
@@ -10,8 +11,14 @@ Times one-sentence `backend.execute` calls back to back, then after a sleep or a
 setting (spinning off; on within runs only, Fulcrum's `allow_spinning = true`; on between runs
 too, ONNX Runtime's own default), a fresh process loads the backend and makes 40 calls, each
 after a random 50-150 ms sleep: the median call time and the process's CPU time per call (all
-threads, the sleep included, so spinning after a call counts). Settings run in turn, --rounds
-times, so a drift of the shared machine reaches each alike.
+threads, the sleep included, so spinning after a call counts), and its resident memory. "when
+idle" is `spin_when_idle = true`: calls through `execute_lone`, as the batcher makes a lone
+request's, on a second, spinning session while it is measured faster. Settings run in turn,
+--rounds times, so a drift of the shared machine reaches each alike.
+
+`--batch-cost`: back-to-back `execute` time by batch rows (1 to 64 sentences, sizes interleaved
+per round, median of --rounds): where the cost per row stops falling is the batch size worth
+preferring.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import psutil
 
 from fulcrum.backends import Backend, create_backend
 from fulcrum.config import load_model_config
@@ -39,7 +47,10 @@ SPIN = {  # name: [parameters] overrides
     "off": {"allow_spinning": False},
     "within runs": {"allow_spinning": True},
     "between runs too": {"allow_spinning": True, "spin_between_runs": True},
+    "when idle": {"spin_when_idle": True},
+    "when idle, between runs too": {"spin_when_idle": True, "spin_between_runs": True},
 }
+BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def load(repo: Path, overrides: dict[str, bool]) -> Backend:
@@ -75,20 +86,22 @@ def idle(repo: Path) -> None:
 
 
 def one_setting(repo: Path, name: str) -> None:
-    """In a fresh process: 40 isolated calls with this spin setting; prints 'ms cpu_ms'."""
+    """In a fresh process: 40 isolated calls with this spin setting; prints 'ms cpu_ms rss'."""
     backend = load(repo, SPIN[name])
+    execute = getattr(backend, "execute_lone", backend.execute)
     for _ in range(5):
-        backend.execute(SENTENCE)
+        execute(SENTENCE)
     rnd = random.Random(0)
     call_ms = []
     cpu_start_s = time.process_time()
     for _ in range(40):
         time.sleep(rnd.uniform(0.05, 0.15))  # the idle gap is the workload
         start = time.perf_counter()
-        backend.execute(SENTENCE)
+        execute(SENTENCE)
         call_ms.append((time.perf_counter() - start) * 1e3)
     cpu_ms = (time.process_time() - cpu_start_s) / 40 * 1e3
-    print(f"{statistics.median(call_ms):.3f} {cpu_ms:.3f}")
+    rss_mib = psutil.Process().memory_info().rss / 2**20
+    print(f"{statistics.median(call_ms):.3f} {cpu_ms:.3f} {rss_mib:.0f}")
 
 
 def spin(repo: Path, rounds: int) -> None:
@@ -97,9 +110,10 @@ def spin(repo: Path, rounds: int) -> None:
         for name in SPIN:
             command = [sys.executable, __file__, "--one", name, "--repository", str(repo)]
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            call_ms, cpu_ms = (float(x) for x in out.split())
+            call_ms, cpu_ms, rss_mib = (float(x) for x in out.split())
             found[name].append((call_ms, cpu_ms))
-            print(f"  {name:17} call {call_ms:6.2f} ms, CPU {cpu_ms:6.2f} ms per call", flush=True)
+            print(f"  {name:17} call {call_ms:6.2f} ms, CPU {cpu_ms:6.2f} ms per call, "
+                  f"RSS {rss_mib:.0f} MiB", flush=True)  # fmt: skip
     print("\nspinning | call ms, median of rounds (each) | CPU ms per call (each)")
     for name, values in found.items():
         calls, cpus = [v[0] for v in values], [v[1] for v in values]
@@ -109,9 +123,31 @@ def spin(repo: Path, rounds: int) -> None:
         )
 
 
+def batch_cost(repo: Path, rounds: int) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from corpus import sentences
+
+    backend = load(repo, {})
+    texts = [t.encode() for t in sentences(256, 12, seed=1)]
+    times_s: dict[int, list[float]] = {n: [] for n in BATCH_ROWS}
+    for k in range(rounds):
+        for n in BATCH_ROWS:
+            first = (k * 7 + n) % (len(texts) - n)  # other sentences each time
+            batch = {"text": np.array([[t] for t in texts[first : first + n]], dtype=object)}
+            start = time.perf_counter()
+            backend.execute(batch)
+            times_s[n].append(time.perf_counter() - start)
+    print("rows | ms per batch, median (min-max) | ms per row")
+    for n, values in times_s.items():
+        ms = statistics.median(values) * 1e3
+        print(f"{n} | {ms:.1f} ({min(values) * 1e3:.1f}-{max(values) * 1e3:.1f}) | {ms / n:.2f}")
+    backend.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spin", action="store_true", help="spinning's cost per isolated call")
+    parser.add_argument("--batch-cost", action="store_true", help="batch time by rows")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repository", type=Path, help="an example repository (default: built)")
     parser.add_argument("--one", choices=sorted(SPIN), help=argparse.SUPPRESS)
@@ -124,6 +160,8 @@ def main() -> int:
             one_setting(repo, args.one)
         elif args.spin:
             spin(repo, args.rounds)
+        elif args.batch_cost:
+            batch_cost(repo, args.rounds)
         else:
             idle(repo)
     return 0

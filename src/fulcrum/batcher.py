@@ -49,9 +49,12 @@ class DynamicBatcher:
         max_concurrent_batches: int | None = None,
         on_batch: Callable[[BatchRecord], None] | None = None,
         isolate_failures: bool = True,
+        dispatch_lone: Dispatch | None = None,
     ) -> None:
         self._config = config
         self._dispatch = dispatch
+        # Takes a lone request that starts with nothing queued and no other batch running.
+        self._dispatch_lone = dispatch_lone
         self._policy: BatchPolicy = policy or make_policy(config)
         self._clock: Clock = clock or MonotonicClock()
         self._max_batches = max_concurrent_batches or config.instances.count
@@ -276,9 +279,12 @@ class DynamicBatcher:
     async def _execute(self, group: list[QueuedRequest], tally: Tally, *, retry: bool) -> Ran:
         """Stack `group` into one batch and dispatch it; account for the time it took."""
         batch = self._collator.stack([r.inputs for r in group])
+        dispatch = self._dispatch
+        if self._dispatch_lone is not None and not retry and self._runs_alone(group):
+            dispatch = self._dispatch_lone
         start_s = time.perf_counter()
         try:
-            outputs = await self._dispatch(batch)
+            outputs = await dispatch(batch)
         finally:
             compute_s = time.perf_counter() - start_s
             if retry:
@@ -288,6 +294,12 @@ class DynamicBatcher:
                 tally.compute_s = compute_s
                 tally.queue_s = [start_s - r.submit_perf_s for r in group]
         return Ran(outputs, start_s, compute_s)
+
+    def _runs_alone(self, group: list[QueuedRequest]) -> bool:
+        # One request, nothing queued, no other batch: light load. A batch of several requests
+        # means they queued, i.e. load. Read when the batch task starts, after the loop planned
+        # again: a request that came in since the launch is queued by now.
+        return len(group) == 1 and not self._queue and self._num_batches == 1
 
     async def _recover(self, requests: list[QueuedRequest], error: Exception, tally: Tally) -> None:
         """A batch failed: re-run its requests apart, on its own slot, or fail them all."""

@@ -60,6 +60,11 @@ type_ids = "token_type_ids"
 # No added wait: while the model runs a batch, new requests queue and form the next one, so
 # batches grow with load by themselves; a lone request at light load runs at once.
 max_queue_delay_ms = 0
+# A backlog runs as batches of 16 rows (Triton's rule: the largest preferred size that the
+# queue fills), not as one batch of all it holds: on a 2-core x86 CPU a row costs 3.0 ms in a
+# batch of 16 and 2.9-3.0 ms in one of 32 or 64, so bigger batches only make every request in
+# them wait longer (48 ms against 190 ms for 64 rows). Requests of up to 64 rows still run.
+preferred_batch_sizes = [16]
 # The latency objective. With Triton's rules (this file) it bounds the queue: past what the
 # model drains within it, requests get a fast 503 with Retry-After, not a late answer.
 # policy = "adaptive" also shapes every batch around each request's deadline.

@@ -3,6 +3,7 @@
 The batcher's `dispatch` is `InstancePool.run`: with N instances, N batches run at once and a
 further batch waits (on the event loop, without polling) until one instance is free. A batch that
 runs past the execution limit fails, and its instance is set aside as hung until it returns.
+`run_lone` takes a backend's `execute_lone` path when every other instance is free.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from fulcrum.backends import Backend
+from fulcrum.backends import Backend, LoneBatchBackend
 from fulcrum.errors import ExecutionTimeout, Unavailable
 from fulcrum.types import TensorMap
 
@@ -66,7 +67,19 @@ class InstancePool:
         """False when every instance is hung: the model cannot run anything (not ready)."""
         return len(self._hung) < len(self._backends)
 
-    async def run(self, inputs: TensorMap) -> TensorMap:
+    @property
+    def lone_dispatch(self) -> Callable[[TensorMap], Awaitable[TensorMap]] | None:
+        """`run_lone` when a backend has a path for a batch that runs alone, else None."""
+        if any(isinstance(b, LoneBatchBackend) for b in self._backends):
+            return self.run_lone
+        return None
+
+    async def run_lone(self, inputs: TensorMap) -> TensorMap:
+        """`run` for a batch that nothing waits behind: the backend's `execute_lone` path is
+        taken when, once it has an instance, every other instance is free too."""
+        return await self.run(inputs, lone=True)
+
+    async def run(self, inputs: TensorMap, *, lone: bool = False) -> TensorMap:
         """Wait for a free instance, then run `backend.execute(inputs)` on its thread.
 
         Raises Unavailable (503) at once when every instance is hung, and ExecutionTimeout (500)
@@ -74,8 +87,12 @@ class InstancePool:
         """
         index = await self._acquire()
         loop = asyncio.get_running_loop()
+        backend = self._backends[index]
+        execute = backend.execute
+        if lone and isinstance(backend, LoneBatchBackend) and self._others_idle():
+            execute = backend.execute_lone
         try:
-            job = self._executors[index].submit(self._backends[index].execute, inputs)
+            job = self._executors[index].submit(execute, inputs)
         except BaseException:
             self._release(index)
             raise
@@ -131,6 +148,10 @@ class InstancePool:
             f"model {self.name!r} exceeded its execution limit of {limit_s * 1000:g} ms; "
             f"instance {index} is set aside as hung"
         )
+
+    def _others_idle(self) -> bool:
+        # Hung instances are not free either: their threads still hold the cores.
+        return not self._waiters and len(self._free) == len(self._backends) - 1
 
     async def _acquire(self) -> int:
         if not self.is_healthy:

@@ -33,6 +33,8 @@ class OnnxParameters(_Params, frozen=True):
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
     allow_spinning: bool = False
     spin_between_runs: bool = False  # False: pool threads stop spinning when a run returns
+    spin_when_idle: bool = False  # True: a second, spinning session runs lone batches when sparse
+    spin_idle_gap_ms: NonNegFloat = 50.0  # ... while the mean gap between runs is at least this
     execution_providers: tuple[str, ...] | None = None  # None: CUDA when present, then CPU
     length_bucket_rows: NonNegInt = 0  # 0: a batch runs whole, padded to its longest row
 

@@ -34,7 +34,9 @@ class BatchServable:
         self.pool = pool
         self.metrics = metrics
         self.stats = ModelStats()
-        self.batcher = DynamicBatcher(config, pool.run, on_batch=self._on_batch)
+        self.batcher = DynamicBatcher(
+            config, pool.run, on_batch=self._on_batch, dispatch_lone=pool.lone_dispatch
+        )
         self.stats.policy_state = self.batcher.policy.state
         policy = self.batcher.policy
         self._adaptive = policy if isinstance(policy, AdaptivePolicy) else None

@@ -59,7 +59,7 @@ def test_config_is_what_the_server_expects(example_repo: Path) -> None:
     assert config.tokenizer is not None and config.tokenizer.input == "text"
     assert config.dynamic_batching is not None
     assert config.dynamic_batching.max_queue_delay_ms == 0
-    assert config.dynamic_batching.preferred_batch_sizes == ()
+    assert config.dynamic_batching.preferred_batch_sizes == (16,)
     assert config.parameters == {
         "intra_op_threads": 2,
         "allow_spinning": False,

@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from fulcrum.client import parse_server_timing
 from fulcrum.context import internal_context
 from fulcrum.protocol import decode_infer_response, encode_infer_request
 from fulcrum.server.app import create_app
@@ -99,6 +100,9 @@ async def test_json_infer_round_trip(client: httpx.AsyncClient) -> None:
     assert body["outputs"][0]["shape"] == [1, 4]
     timing = response.headers["server-timing"]
     assert "queue;dur=" in timing and "compute;dur=" in timing
+    # total (handler start -> response built) holds the queue wait and the compute
+    durations = parse_server_timing(timing)
+    assert durations["total"] >= durations["queue"] + durations["compute"] >= 1.0  # echo's 1 ms
 
 
 async def test_binary_infer_round_trip(client: httpx.AsyncClient) -> None:

@@ -200,3 +200,102 @@ def test_allowed_spinning_stops_when_a_run_returns_unless_asked_to_go_on() -> No
 def test_spinning_between_runs_without_spinning_is_a_config_error(version_dir: Path) -> None:
     with pytest.raises(ConfigError, match="'spin_between_runs' = true: needs allow_spinning"):
         OnnxBackend(make_config(spin_between_runs=True), version_dir)
+
+
+class RecordingSession:
+    """Stands in for an InferenceSession: records that it ran, returns the real one's outputs."""
+
+    def __init__(self, real: ort.InferenceSession) -> None:
+        self.real = real
+        self.num_runs = 0
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.num_runs += 1
+        return list(self.real.run(names, feeds))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_spin_when_idle_runs_lone_batches_on_a_second_spinning_session(
+    version_dir: Path,
+) -> None:
+    backend = OnnxBackend(make_config(spin_when_idle=True), version_dir)
+    assert backend.lone_session is not None
+    spinning = backend.lone_session.get_session_options()
+    assert _entry(spinning, "session.intra_op.allow_spinning") == "1"
+    assert _entry(spinning, "session.force_spinning_stop") is None  # between runs too
+    shared_options = backend.session.get_session_options()
+    assert _entry(shared_options, "session.intra_op.allow_spinning") == "0"
+    shared, lone = RecordingSession(backend.session), RecordingSession(backend.lone_session)
+    backend.session, backend.lone_session = shared, lone  # type: ignore[assignment]
+    expected = [[1.5, 2.5], [4.0, 5.0]]
+    assert backend.execute_lone(batch())["total"].tolist() == expected
+    assert (lone.num_runs, shared.num_runs) == (1, 0)
+    assert backend.execute(batch())["total"].tolist() == expected
+    assert (lone.num_runs, shared.num_runs) == (1, 1)
+    backend.close()
+    assert backend.lone_session is None
+
+
+def test_lone_batches_leave_the_spinning_session_while_it_is_measured_slower(
+    version_dir: Path,
+) -> None:
+    backend = OnnxBackend(make_config(spin_when_idle=True), version_dir)
+    assert backend.lone_session is not None
+    shared, lone = RecordingSession(backend.session), RecordingSession(backend.lone_session)
+    backend.session, backend.lone_session = shared, lone  # type: ignore[assignment]
+    backend.lone_choice.per_row_s = [0.010, 0.005]  # spinning measured at twice the other
+    clock = FakeClock()
+    backend.clock = clock
+    for _ in range(backend.lone_choice.explore_every):
+        clock.now_s += 1.0  # sparse runs: the choice is by speed alone
+        backend.execute_lone(batch())
+    # The faster, non-spinning session ran all but the one exploring run of the spinning one.
+    assert (shared.num_runs, lone.num_runs) == (backend.lone_choice.explore_every - 1, 1)
+
+
+def test_without_spin_when_idle_a_lone_batch_runs_on_the_one_session(version_dir: Path) -> None:
+    backend = OnnxBackend(make_config(), version_dir)
+    assert backend.lone_session is None
+    shared = RecordingSession(backend.session)
+    backend.session = shared  # type: ignore[assignment]
+    assert backend.execute_lone(batch())["total"].tolist() == [[1.5, 2.5], [4.0, 5.0]]
+    assert shared.num_runs == 1
+
+
+def test_spin_when_idle_beside_allow_spinning_is_a_config_error(version_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="'spin_when_idle' = true: the session already spins"):
+        OnnxBackend(make_config(spin_when_idle=True, allow_spinning=True), version_dir)
+
+
+def test_lone_batches_take_the_spinning_session_only_while_runs_are_sparse(
+    version_dir: Path,
+) -> None:
+    backend = OnnxBackend(make_config(spin_when_idle=True, spin_idle_gap_ms=50), version_dir)
+    assert backend.lone_session is not None
+    shared, lone = RecordingSession(backend.session), RecordingSession(backend.lone_session)
+    backend.session, backend.lone_session = shared, lone  # type: ignore[assignment]
+    clock = FakeClock()
+    backend.clock = clock
+    backend.lone_choice.explore_every = 1000  # no exploring runs in this test
+    backend.lone_choice.per_row_s = [0.005, 0.008]  # spinning measured faster
+    for _ in range(4):  # 5 runs a second: sparse
+        clock.now_s += 0.2
+        backend.execute_lone(batch())
+    assert (lone.num_runs, shared.num_runs) == (4, 0)
+    for _ in range(20):  # 100 runs a second, each alone: load, no spinning session
+        clock.now_s += 0.01
+        backend.execute_lone(batch())
+    assert backend.mean_gap_s < 0.05
+    assert lone.num_runs - 4 <= 7 and shared.num_runs >= 13  # within 7 runs of the load
+    before = lone.num_runs
+    for _ in range(20):  # sparse again: back to the spinning session
+        clock.now_s += 0.5
+        backend.execute_lone(batch())
+    assert lone.num_runs - before >= 15

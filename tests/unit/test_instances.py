@@ -116,3 +116,51 @@ def test_close_closes_every_backend_and_refuses_work() -> None:
 def test_pool_needs_a_backend() -> None:
     with pytest.raises(ValueError, match="at least one"):
         InstancePool([], name="m")
+
+
+class LoneAwareBackend(BlockingBackend):
+    """Records which path ran each batch: `execute` or `execute_lone`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def execute(self, inputs: TensorMap) -> TensorMap:
+        self.paths.append("execute")
+        return super().execute(inputs)
+
+    def execute_lone(self, inputs: TensorMap) -> TensorMap:
+        self.paths.append("lone")
+        return super().execute(inputs)
+
+
+async def test_run_lone_takes_the_lone_path_when_every_other_instance_is_free() -> None:
+    backends = [LoneAwareBackend(), LoneAwareBackend()]
+    for backend in backends:
+        backend.release.set()
+    pool = InstancePool(backends, name="m")
+    assert pool.lone_dispatch is not None
+    y = await pool.lone_dispatch({"x": np.zeros((1, 1))})
+    assert y["y"][0, 0] == 1
+    await pool.run({"x": np.zeros((1, 1))})  # a plain run never takes it
+    assert [p for b in backends for p in b.paths] == ["lone", "execute"]
+    pool.close()
+
+
+async def test_run_lone_takes_the_shared_path_while_another_instance_runs() -> None:
+    busy, other = LoneAwareBackend(), LoneAwareBackend()
+    other.release.set()
+    pool = InstancePool([busy, other], name="m")
+    first = asyncio.create_task(pool.run({"x": np.zeros((1, 1))}))
+    await started(busy)
+    assert (await pool.run_lone({"x": np.ones((1, 1))}))["y"][0, 0] == 2
+    assert other.paths == ["execute"]  # the cores are not idle: no spinning session
+    busy.release.set()
+    await first
+    pool.close()
+
+
+def test_a_pool_of_plain_backends_has_no_lone_dispatch() -> None:
+    pool = InstancePool([BlockingBackend()], name="m")
+    assert pool.lone_dispatch is None
+    pool.close()

@@ -130,6 +130,18 @@ def test_runs_the_largest_preferred_size_that_can_be_formed() -> None:
     assert h.run() == ["e", "f"]  # 3 pending: 2 is the largest formable
 
 
+def test_without_delay_a_preferred_size_caps_a_backlog_and_less_runs_at_once() -> None:
+    # The shipped minilm config: max 64, preferred 16, no delay.
+    h = Harness(make_config(64, max_queue_delay_ms=0, preferred_batch_sizes=(16,)))
+    backlog = [f"r{i}" for i in range(24)]
+    for name in backlog:
+        h.add(name)
+    assert h.run() == backlog[:16]
+    assert h.run() == backlog[16:]  # 8 left: under the preferred size, they run at once
+    h.add("big", rows=40)  # a request may still carry up to max_batch_size rows
+    assert h.run() == ["big"]
+
+
 def test_preferred_sizes_give_way_to_everything_once_the_delay_passed() -> None:
     h = Harness(make_config(8, max_queue_delay_ms=100, preferred_batch_sizes=(2,)))
     for name in "abc":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from fulcrum.config import ModelConfig
 from fulcrum.errors import ConfigError
@@ -21,6 +21,16 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the model's resources."""
+        ...
+
+
+@runtime_checkable
+class LoneBatchBackend(Backend, Protocol):
+    """A backend with a faster path for a batch that runs alone (nothing queued or running
+    beside it): e.g. ONNX Runtime threads that spin, which pays only while the cores are idle."""
+
+    def execute_lone(self, inputs: TensorMap) -> TensorMap:
+        """Run a batch like `execute`, knowing nothing else waits for or runs beside it."""
         ...
 
 

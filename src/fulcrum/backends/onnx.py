@@ -2,17 +2,21 @@
 
 When the config has a `[tokenizer]`, its BYTES input is turned into token tensors first, and
 with `length_bucket_rows = N` a batch is sorted by token length and run in chunks of N rows,
-each padded only to its own longest row.
+each padded only to its own longest row. With `spin_when_idle = true` a second session, whose
+pool threads spin (ORT's own default), runs the batches that run alone while runs are sparse.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from fulcrum.backends.casting import cast_to
+from fulcrum.backends.faster_of_two import FIRST, FasterOfTwo
 from fulcrum.backends.params import version_file
 from fulcrum.backends.text import TextFrontEnd
 from fulcrum.config import ModelConfig
@@ -46,10 +50,19 @@ _ORT_TYPES: dict[str, np.dtype[np.generic]] = {
 }
 
 
-def session_options(params: OnnxParameters) -> ort.SessionOptions:
-    """ORT session options from a model's parameters."""
+# Weight of the newest gap in the mean gap between an instance's runs.
+GAP_WEIGHT = 0.25
+
+
+def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.SessionOptions:
+    """ORT session options from a model's parameters; `lone`: the `spin_when_idle` session,
+    whose pool spins between runs too (so its threads are awake when the next lone call comes)."""
     if params.spin_between_runs and not params.allow_spinning:
         raise ConfigError("parameter 'spin_between_runs' = true: needs allow_spinning = true")
+    if params.spin_when_idle and params.allow_spinning:
+        raise ConfigError(
+            "parameter 'spin_when_idle' = true: the session already spins (allow_spinning = true)"
+        )
     options = ort.SessionOptions()
     options.intra_op_num_threads = params.intra_op_threads  # 0: ORT's default
     options.inter_op_num_threads = params.inter_op_threads
@@ -58,7 +71,7 @@ def session_options(params: OnnxParameters) -> ort.SessionOptions:
     # the cores the event loop and the other models need, so spinning is opt-in. Within a run it
     # saves a sleeping worker's wake-up per parallel operator; between runs it only burns a core
     # (the loop's, while it answers and parses), so by default it stops when a run returns.
-    spin = "1" if params.allow_spinning else "0"
+    spin = "1" if params.allow_spinning or lone else "0"
     options.add_session_config_entry("session.intra_op.allow_spinning", spin)
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
     if params.allow_spinning and not params.spin_between_runs:
@@ -89,13 +102,23 @@ class OnnxBackend:
         path = version_file(version_dir, params.model_file, "model_file")
         if not path.is_file():
             raise ConfigError(f"model {config.name!r}: no model file {path}")
-        options = session_options(params)
         providers = execution_providers(params)
-        try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers)
-        except Exception as exc:  # ORT raises its own untyped errors for a bad graph
-            raise ModelError(f"model {config.name!r}: cannot load {path}: {exc}") from exc
         self.name = config.name
+        self.session = _load(config.name, path, session_options(params), providers)
+        # Spinning pool threads answer an isolated call sooner (no sleeping worker to wake) and
+        # cost the cores anything else needs, the event loop included, for a while after each
+        # run. ORT has no per-run switch (a pool keeps what it was built with), hence a second
+        # session, taken only by a batch that runs alone while runs are sparse (light load), and
+        # only while it is measured faster (where other processes hold the cores it is not).
+        self.lone_session: ort.InferenceSession | None = None
+        self.lone_choice = FasterOfTwo()  # FIRST: the spinning session, SECOND: the other
+        self.idle_gap_s = params.spin_idle_gap_ms / 1000
+        self.clock = time.perf_counter
+        self._last_run_s = -math.inf
+        self.mean_gap_s = math.inf  # between this instance's runs, smoothed
+        if params.spin_when_idle:
+            lone = session_options(params, lone=True)
+            self.lone_session = _load(config.name, path, lone, providers)
         self.front = TextFrontEnd(config.tokenizer, version_dir) if config.tokenizer else None
         self.graph_types = {i.name: _ort_dtype(i.type, i.name) for i in self.session.get_inputs()}
         self._check_inputs(config)
@@ -136,19 +159,48 @@ class OnnxBackend:
 
     def execute(self, inputs: TensorMap) -> TensorMap:
         """Run one batch; ONNX Runtime releases the GIL while it computes."""
+        self._note_run()
+        return self._execute(self.session, inputs)
+
+    def execute_lone(self, inputs: TensorMap) -> TensorMap:
+        """Run a batch that nothing else waits or runs beside: on the spinning session while
+        runs are sparse and it is measured faster than the other (tried every few lone runs)."""
+        sparse = self._note_run()
+        if self.lone_session is None or not sparse:
+            return self._execute(self.session, inputs)
+        choice = self.lone_choice.pick()
+        session = self.lone_session if choice == FIRST else self.session
+        start_s = self.clock()
+        outputs = self._execute(session, inputs)
+        self.lone_choice.observe(choice, self.clock() - start_s, _num_rows(inputs))
+        return outputs
+
+    def _note_run(self) -> bool:
+        """Fold this run into the mean gap between runs; whether runs are sparse."""
+        now = self.clock()
+        # A long idle counts as ten sparse gaps: load that then begins is seen within a few runs.
+        gap_s = min(now - self._last_run_s, 10 * self.idle_gap_s)
+        self._last_run_s = now
+        if math.isinf(self.mean_gap_s):
+            self.mean_gap_s = gap_s
+        else:
+            self.mean_gap_s += GAP_WEIGHT * (gap_s - self.mean_gap_s)
+        return self.mean_gap_s >= self.idle_gap_s
+
+    def _execute(self, session: ort.InferenceSession, inputs: TensorMap) -> TensorMap:
         feeds = self._feeds(inputs)
         if self.front is None or not 0 < self.bucket_rows < _num_rows(feeds):
-            return self._run(feeds)
-        return self._run_bucketed(feeds)
+            return self._run(session, feeds)
+        return self._run_bucketed(session, feeds)
 
-    def _run(self, feeds: TensorMap) -> TensorMap:
+    def _run(self, session: ort.InferenceSession, feeds: TensorMap) -> TensorMap:
         try:
-            values = self.session.run(self.output_names, feeds)
+            values = session.run(self.output_names, feeds)
         except Exception as exc:
             raise ModelError(f"model {self.name!r} failed: {exc}") from exc
         return dict(zip(self.output_names, values, strict=True))
 
-    def _run_bucketed(self, feeds: TensorMap) -> TensorMap:
+    def _run_bucketed(self, session: ort.InferenceSession, feeds: TensorMap) -> TensorMap:
         """Sort rows by length, run chunks padded to their own longest, restore the order.
         Padding is on the right, so cutting a chunk's columns to its longest row is exact."""
         assert self.front is not None
@@ -158,7 +210,7 @@ class OnnxBackend:
         for start in range(0, len(order), self.bucket_rows):
             rows = order[start : start + self.bucket_rows]
             width = int(lengths[rows].max())
-            parts.append(self._run({k: v[rows, :width] for k, v in feeds.items()}))
+            parts.append(self._run(session, {k: v[rows, :width] for k, v in feeds.items()}))
         outputs: TensorMap = {}
         for name in self.output_names:
             merged = np.concatenate([part[name] for part in parts])
@@ -192,6 +244,16 @@ class OnnxBackend:
     def close(self) -> None:
         # ORT frees the session when the last reference goes; drop ours now.
         self.__dict__.pop("session", None)
+        self.lone_session = None
+
+
+def _load(
+    name: str, path: Path, options: ort.SessionOptions, providers: list[str]
+) -> ort.InferenceSession:
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as exc:  # ORT raises its own untyped errors for a bad graph
+        raise ModelError(f"model {name!r}: cannot load {path}: {exc}") from exc
 
 
 def _num_rows(feeds: TensorMap) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -127,9 +128,12 @@ class V2Api:
             name, str(served), infer_request.id, result.outputs, infer_request.outputs,
             infer_request.binary_output_default,
         )  # fmt: skip
+        # total: from the handler's start to the response built; what is neither queue nor
+        # compute in it is the server's own path (decode, enqueue, hand-back, encode).
+        total_ms = 0.0 if ctx.received_s is None else (time.monotonic() - ctx.received_s) * 1e3
         headers["Server-Timing"] = (
             f"queue;dur={result.queue_s * 1e3:.3f}, compute;dur={result.compute_s * 1e3:.3f}, "
-            f"batch;desc={result.batch_size}"
+            f"batch;desc={result.batch_size}, total;dur={total_ms:.3f}"
         )
         if result.route is not None:
             headers[ROUTE_HEADER] = result.route
