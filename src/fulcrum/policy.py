@@ -146,7 +146,10 @@ class TritonPolicy:
         self.model = LatencyModel()
         slo_s = batching.slo_p99_ms / 1000 if batching else 0.0
         self.derived = DerivedBound(config.instances.count, slo_s)
-        self._limit = self.max_batch_size if self.batched else 1
+        # The batch it runs under a backlog: with preferred sizes and no added wait, Triton's rule
+        # takes the largest preferred size the queue fills, so the queue drains in those.
+        backlog_batch = self.max_preferred if self.max_queue_delay_s == 0 else self.max_batch_size
+        self._limit = backlog_batch if self.batched else 1
         self.num_instances = config.instances.count
         self._busy_until: list[float] = []  # predicted ends of running batches (min-heap)
 
@@ -186,7 +189,7 @@ class TritonPolicy:
         fit = self.model.fit()
         return {
             "name": "triton",
-            "batch_limit": self.max_batch_size,
+            "batch_limit": self._limit,
             "batch_fixed_ms": fit.a_s * 1000,
             "batch_row_ms": fit.c_s * 1000,
             "queue_bound": self.derived.bound,

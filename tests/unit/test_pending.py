@@ -75,3 +75,17 @@ def test_triton_policy_learns_only_the_queue_bound() -> None:
     plan = policy.plan(queue, 0.0)  # the batching rules themselves are unchanged
     assert len(plan.run) == 4 and plan.shed == () and len(queue) == 2
     assert queue.bound(1) == 8
+
+
+def test_triton_policy_bounds_the_queue_by_the_preferred_batch_it_runs_under_a_backlog() -> None:
+    # max 64, preferred 16, no added wait, SLO 100 ms: a backlog drains in 16-row batches, so
+    # the bound and its floor are counted in those, not in 64-row batches it never runs.
+    config = make_config(64, preferred_batch_sizes=(16,), slo_p99_ms=100)
+    policy = TritonPolicy(config)
+    for _ in range(5):  # 16 rows in 60 ms: 3.75 ms a row, one row per request
+        policy.observe(BatchRecord(16, 16, 0.060, [], False))
+    state = policy.state()
+    assert state["batch_limit"] == 16
+    assert state["queue_bound"] == 16  # a 16-row batch: at most one full batch ahead
+    waiting = TritonPolicy(make_config(64, preferred_batch_sizes=(16,), max_queue_delay_ms=5))
+    assert waiting.state()["batch_limit"] == 64  # past its delay it runs everything queued
