@@ -5,27 +5,13 @@ text still ending a stop-string request in the step it hits the stop."""
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models
+from test_llm_detokenizer import BYTES  # token i is byte i, GPT-2's byte-level decoder
 
 from fulcrum.errors import ModelError
 from fulcrum.llm.detokenizer import IncrementalDetokenizer
 from fulcrum.llm.engine_outputs import OutputProcessor
 from fulcrum.llm.outputs import OutputRow
 from fulcrum.llm.sampling_params import SamplingParams
-
-
-def _byte_tokenizer() -> Tokenizer:
-    """Token i is byte i, with GPT-2's byte-level decoder (multi-byte characters held back)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    others = [b for b in range(256) if b not in printable]
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
-    tokenizer = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-BYTES = _byte_tokenizer()
 
 
 def _row(request_id: str, token_ids: list[int], num_output: int, reason: str | None = None,
