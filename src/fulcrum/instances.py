@@ -39,6 +39,11 @@ class InstancePool:
         self.name = name
         self.execution_timeout_s = execution_timeout_s or None  # None or 0: no limit
         self._backends = list(backends)
+        # Each backend's path for a batch that runs alone (None: it has none), found once: a
+        # runtime Protocol check costs microseconds, too much for every batch.
+        self._lone_paths: list[Callable[[TensorMap], TensorMap] | None] = [
+            b.execute_lone if isinstance(b, LoneBatchBackend) else None for b in self._backends
+        ]
         self._executors = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-instance-{i}")
             for i in range(len(self._backends))
@@ -70,7 +75,7 @@ class InstancePool:
     @property
     def lone_dispatch(self) -> Callable[[TensorMap], Awaitable[TensorMap]] | None:
         """`run_lone` when a backend has a path for a batch that runs alone, else None."""
-        if any(isinstance(b, LoneBatchBackend) for b in self._backends):
+        if any(path is not None for path in self._lone_paths):
             return self.run_lone
         return None
 
@@ -88,9 +93,10 @@ class InstancePool:
         index = await self._acquire()
         loop = asyncio.get_running_loop()
         backend = self._backends[index]
-        execute = backend.execute
-        if lone and isinstance(backend, LoneBatchBackend) and self._others_idle():
-            execute = backend.execute_lone
+        execute: Callable[[TensorMap], TensorMap] = backend.execute
+        lone_path = self._lone_paths[index]
+        if lone and lone_path is not None and self._others_idle():
+            execute = lone_path
         try:
             job = self._executors[index].submit(execute, inputs)
         except BaseException:
