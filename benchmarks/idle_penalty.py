@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/idle_penalty.py
     .venv/bin/python benchmarks/idle_penalty.py --spin [--rounds 3]
     .venv/bin/python benchmarks/idle_penalty.py --batch-cost [--rounds 8]
+    .venv/bin/python benchmarks/idle_penalty.py --stragglers [--rounds 40] [--hog]
 
 Times one-sentence `backend.execute` calls back to back, then after a sleep or a busy wait of
 2, 10, 50 and 200 ms. Explains light-load latency on a shared VM; it measures the machine.
@@ -19,6 +20,12 @@ request's, on a second, spinning session while it is measured faster. Settings r
 `--batch-cost`: back-to-back `execute` time by batch rows (1 to 64 sentences, sizes interleaved
 per round, median of --rounds): where the cost per row stops falling is the batch size worth
 preferring.
+
+`--stragglers`: 16-row batches back to back on backends that differ in how ORT splits a parallel
+operator among its threads (static shares, Fulcrum's default, against `dynamic_block_base`),
+interleaved batch by batch in one process; median, P90 and slowest batch per setting. A batch
+whose pool thread loses its core waits for that thread's whole share under static splitting.
+`--hog` runs a busy-looping process meanwhile (one core taken away, as by a load generator).
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ SPIN = {  # name: [parameters] overrides
     "when idle, between runs too": {"spin_when_idle": True, "spin_between_runs": True},
 }
 BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64)
+SPLITS = {"static (default)": {}, "dynamic_block_base 4": {"dynamic_block_base": 4}}
+HOG = "while True: pass"
 
 
 def load(repo: Path, overrides: dict[str, bool]) -> Backend:
@@ -144,10 +153,42 @@ def batch_cost(repo: Path, rounds: int) -> None:
     backend.close()
 
 
+def stragglers(repo: Path, rounds: int, hog: bool) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from corpus import sentences
+
+    backends = {name: load(repo, overrides) for name, overrides in SPLITS.items()}
+    texts = [t.encode() for t in sentences(256, 12, seed=1)]
+    times_s: dict[str, list[float]] = {name: [] for name in backends}
+    hogger = subprocess.Popen([sys.executable, "-c", HOG]) if hog else None
+    try:
+        for k in range(rounds):
+            first = (k * 16) % (len(texts) - 16)
+            batch = {"text": np.array([[t] for t in texts[first : first + 16]], dtype=object)}
+            for name in list(backends) if k % 2 else list(backends)[::-1]:  # alternate order
+                start = time.perf_counter()
+                backends[name].execute(batch)
+                times_s[name].append(time.perf_counter() - start)
+    finally:
+        if hogger is not None:
+            hogger.kill()
+            hogger.wait()
+    print(f"16-row batches, {rounds} each{' beside a busy loop' if hog else ''}: "
+          "setting | median / P90 / slowest ms")  # fmt: skip
+    for name, values in times_s.items():
+        ms = sorted(v * 1e3 for v in values)
+        p90 = ms[min(len(ms) - 1, int(0.9 * len(ms)))]
+        print(f"{name} | {statistics.median(ms):.1f} / {p90:.1f} / {ms[-1]:.1f}")
+    for backend in backends.values():
+        backend.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spin", action="store_true", help="spinning's cost per isolated call")
     parser.add_argument("--batch-cost", action="store_true", help="batch time by rows")
+    parser.add_argument("--stragglers", action="store_true", help="static vs dynamic splits")
+    parser.add_argument("--hog", action="store_true", help="with --stragglers: a busy loop too")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repository", type=Path, help="an example repository (default: built)")
     parser.add_argument("--one", choices=sorted(SPIN), help=argparse.SUPPRESS)
@@ -162,6 +203,8 @@ def main() -> int:
             spin(repo, args.rounds)
         elif args.batch_cost:
             batch_cost(repo, args.rounds)
+        elif args.stragglers:
+            stragglers(repo, args.rounds, args.hog)
         else:
             idle(repo)
     return 0

@@ -13,7 +13,8 @@ Linux), so the client's and the server's compare. Per kind: the median of each s
 total and of the time outside the ORT run. Kinds run in turn, --rounds times (interleaved), the
 first 10 requests of each run unmeasured. Kinds: `fulcrum` (the repository's config), `bare`
 (ORT defaults: threads = cores, spinning on), `bare_tuned` (2 threads, no spinning, as
-Fulcrum's minilm), `fulcrum_spin` (spinning within runs), `fulcrum_t1` (one intra-op thread).
+Fulcrum's minilm), `fulcrum_spin` (spinning within runs), `fulcrum_t1` (one intra-op thread),
+`fulcrum_idle_spin` (`spin_when_idle`), `fulcrum_dbb` (`dynamic_block_base = 4`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ RUNS: list[list[tuple[str, float]]] = []
 STEPS = ("client_send", "asgi_in", "service_in", "submit_in", "launch", "pool_in", "exec_in",
          "ort_in", "ort_out", "exec_out", "pool_out", "resolve", "submit_out", "service_out",
          "resp_start", "resp_sent", "client_recv")  # fmt: skip
+KIND_PARAMETERS: dict[str, dict[str, object]] = {
+    "fulcrum_spin": {"allow_spinning": True},
+    "fulcrum_t1": {"intra_op_threads": 1},
+    "fulcrum_idle_spin": {"spin_when_idle": True},
+    "fulcrum_dbb": {"dynamic_block_base": 4},
+}
 TEXT = "The quick brown fox jumps over the lazy dog near the quiet river bank today."
 
 CLIENT = r"""
@@ -165,17 +172,15 @@ def fulcrum_app(repo: Path, kind: str) -> tuple[Asgi, Any]:
         (batcher.DynamicBatcher, "_resolve", "resolve", None),
         (instances.InstancePool, "run", "pool_in", "pool_out"),
         (onnx.OnnxBackend, "execute", "exec_in", "exec_out"),
+        (onnx.OnnxBackend, "execute_lone", "exec_in", "exec_out"),  # a lone batch's path
         (onnx.OnnxBackend, "_run", "ort_in", "ort_out"),
     ]:
         patch(cls, name, before, after)
     shipped = onnx.session_options
 
-    def options(params: Any) -> Any:
-        if kind == "fulcrum_spin":
-            params = type(params)(**{**_fields(params), "allow_spinning": True})
-        if kind == "fulcrum_t1":
-            params = type(params)(**{**_fields(params), "intra_op_threads": 1})
-        return shipped(params)
+    def options(params: Any, *, lone: bool = False) -> Any:
+        changed = {**_fields(params), **KIND_PARAMETERS.get(kind, {})}
+        return shipped(type(params)(**changed), lone=lone)
 
     onnx.session_options = options
     settings = ServiceSettings(load_models=("minilm",), freeze_gc_after_start=True)

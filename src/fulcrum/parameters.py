@@ -35,6 +35,9 @@ class OnnxParameters(_Params, frozen=True):
     spin_between_runs: bool = False  # False: pool threads stop spinning when a run returns
     spin_when_idle: bool = False  # True: a second, spinning session runs lone batches when sparse
     spin_idle_gap_ms: NonNegFloat = 50.0  # ... while the mean gap between runs is at least this
+    # > 0: ORT's parallel-for splits work into shrinking blocks handed out as threads come free
+    # (`session.dynamic_block_base`), so one preempted pool thread stalls less of a run. 0: static.
+    dynamic_block_base: NonNegInt = 0
     execution_providers: tuple[str, ...] | None = None  # None: CUDA when present, then CPU
     length_bucket_rows: NonNegInt = 0  # 0: a batch runs whole, padded to its longest row
 

@@ -197,6 +197,31 @@ def test_allowed_spinning_stops_when_a_run_returns_unless_asked_to_go_on() -> No
     assert _entry(between_runs, "session.force_spinning_stop") is None
 
 
+def test_dynamic_block_base_reaches_both_sessions_and_is_off_by_default(version_dir: Path) -> None:
+    assert _entry(session_options(OnnxParameters()), "session.dynamic_block_base") is None
+    backend = OnnxBackend(make_config(dynamic_block_base=4, spin_when_idle=True), version_dir)
+    assert backend.lone_session is not None
+    for session in (backend.session, backend.lone_session):
+        assert _entry(session.get_session_options(), "session.dynamic_block_base") == "4"
+
+
+def test_the_minilm_example_splits_work_dynamically() -> None:
+    import msgspec
+
+    from fulcrum import examples
+    from fulcrum.parameters import decode_parameters
+
+    config = msgspec.toml.decode(examples._MINILM_CONFIG.encode())
+    params = decode_parameters(config["parameters"], OnnxParameters)
+    assert params.dynamic_block_base == 4
+    assert _entry(session_options(params), "session.dynamic_block_base") == "4"
+
+
+def test_a_negative_dynamic_block_base_is_a_config_error(version_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"parameters\.dynamic_block_base"):
+        OnnxBackend(make_config(dynamic_block_base=-1), version_dir)
+
+
 def test_spinning_between_runs_without_spinning_is_a_config_error(version_dir: Path) -> None:
     with pytest.raises(ConfigError, match="'spin_between_runs' = true: needs allow_spinning"):
         OnnxBackend(make_config(spin_between_runs=True), version_dir)

@@ -76,6 +76,11 @@ def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.Sessio
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
     if params.allow_spinning and not params.spin_between_runs:
         options.add_session_config_entry("session.force_spinning_stop", "1")
+    if params.dynamic_block_base:
+        # Static splitting gives each pool thread an equal share up front: on cores shared with
+        # the event loop and the load generator, one preempted thread holds the whole run back.
+        base = str(params.dynamic_block_base)
+        options.add_session_config_entry("session.dynamic_block_base", base)
     return options
 
 
