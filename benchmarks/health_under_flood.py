@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection as Pipe
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -107,16 +107,17 @@ async def flood(url: str, concurrency: int, until: float) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def serving(
-    repo: Path, src: Path, log_path: Path, model: str = "minilm"
+    repo: Path, src: Path, log_path: Path, model: str = "minilm", extra: Sequence[str] = ()
 ) -> Iterator[tuple[str, int]]:
-    """`fulcrum serve` of one model of repo (the code under src) on a free loopback port."""
+    """`fulcrum serve` of one model of repo (the code under src) on a free loopback port;
+    `extra`: more `fulcrum serve` flags (e.g. --compute-nice 5)."""
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "fulcrum.cli", "serve", "--repository", str(repo),
-             "--model", model, "--host", "127.0.0.1", "--port", str(port)],
+             "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
         try:

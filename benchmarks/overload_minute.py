@@ -1,7 +1,7 @@
 """Three times capacity for a minute: issue 11's acceptance run for overload.
 
     .venv/bin/python benchmarks/overload_minute.py [--factor 3] [--seconds 60] [--slo-ms 100]
-        [--configs shipped,adaptive] [--out /tmp/overload]
+        [--configs shipped,adaptive] [--out /tmp/overload] [--compute-nice 0,2,5 --repeats 2]
 
 One `fulcrum serve --model minilm` process. Capacity is measured open loop, as the overload is
 sent: Poisson steps from 0.2x to 1.4x the closed-loop rate (32 clients), and capacity is the
@@ -13,6 +13,8 @@ sampled. Printed per config, in the issue's terms: goodput (answers within the S
 as a share of capacity, the admitted P99, how many got 503 and how fast, client timeouts and
 other errors (nothing may be lost: offered = answered + 503 + the rest), health P99, and RSS
 before, at the peak and 10 s after the load stopped. Figures also go to --out as JSON.
+With several `--compute-nice` values, each gets its own server (`fulcrum serve --compute-nice N`),
+interleaved round after round for `--repeats` rounds, all at the capacity measured first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,6 +66,8 @@ class Outcome:
     """One config under the overload."""
 
     config: str
+    compute_nice: int
+    repeat: int
     offered: int
     answered: int
     good: int
@@ -96,6 +101,9 @@ class Outcome:
     # deadline (on arrival, from the request head, or late: admitted, then shed at the head of
     # the queue, which is what makes a slow 503).
     policy_counts: dict[str, float] | None = None
+    thread_nices: dict[str, list[int]] | None = None  # the server's, by thread name
+    # [voluntary, involuntary] context switches per second over the overload, by thread name
+    thread_switches_per_s: dict[str, list[int]] | None = None
 
 
 def p99_ms(records: list[RequestRecord], of: str = "latency") -> float:
@@ -148,6 +156,41 @@ def thread_cpu_s(proc: psutil.Process) -> dict[str, float]:
     return out
 
 
+def thread_nices(proc: psutil.Process) -> dict[str, list[int]]:
+    """The nice values of the server's threads by thread name (as thread_cpu_s names them): a
+    check that --compute-nice lowered the compute threads and left the event loop alone."""
+    out: dict[str, set[int]] = {}
+    for thread in proc.threads():
+        try:
+            name = (
+                "main"
+                if thread.id == proc.pid
+                else Path(f"/proc/{proc.pid}/task/{thread.id}/comm").read_text().strip()
+            )
+            out.setdefault(name, set()).add(os.getpriority(os.PRIO_PROCESS, thread.id))
+        except OSError:  # the thread ended between the two reads
+            continue
+    return {name: sorted(values) for name, values in out.items()}
+
+
+def thread_switches(proc: psutil.Process) -> dict[str, list[int]]:
+    """[voluntary, involuntary] context switches per thread name: involuntary ones are
+    preemptions (a compute thread preempted mid-run holds its partner at ORT's barrier)."""
+    out: dict[str, list[int]] = {}
+    for thread in proc.threads():
+        task = Path(f"/proc/{proc.pid}/task/{thread.id}")
+        try:
+            name = "main" if thread.id == proc.pid else (task / "comm").read_text().strip()
+            lines = (task / "status").read_text().splitlines()
+        except OSError:  # the thread ended between the reads
+            continue
+        counts = dict(line.split(":\t") for line in lines if "ctxt_switches" in line)
+        total = out.setdefault(name, [0, 0])
+        total[0] += int(counts["voluntary_ctxt_switches"])
+        total[1] += int(counts["nonvoluntary_ctxt_switches"])
+    return out
+
+
 class CpuAccount:
     """CPU seconds the server (per thread name) and this process spend between enter and exit."""
 
@@ -157,12 +200,14 @@ class CpuAccount:
         self.seconds = 0.0
         self.server_s = self.generator_s = 0.0
         self.threads_s: dict[str, float] = {}
+        self.switches_per_s: dict[str, list[int]] = {}
 
     def __enter__(self) -> CpuAccount:
         self._t0 = time.perf_counter()
         self._server0 = sum(self.server.cpu_times()[:2])
         self._me0 = sum(self.me.cpu_times()[:2])
         self._threads0 = thread_cpu_s(self.server)
+        self._switches0 = thread_switches(self.server)
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -171,6 +216,11 @@ class CpuAccount:
         self.generator_s = sum(self.me.cpu_times()[:2]) - self._me0
         after = thread_cpu_s(self.server)
         self.threads_s = {k: v - self._threads0.get(k, 0.0) for k, v in after.items()}
+        zero = [0, 0]
+        self.switches_per_s = {  # a thread that ended in between is left out
+            k: [round((v[i] - self._switches0.get(k, zero)[i]) / self.seconds) for i in (0, 1)]
+            for k, v in thread_switches(self.server).items()
+        }
 
     def cores(self, cpu_s: float) -> float:
         return cpu_s / self.seconds if self.seconds > 0 else 0.0
@@ -221,14 +271,17 @@ def play(url: str, target: V2Target, steps: list[Step], rate: float, seed: int,
 
 
 def overload(url: str, port: int, target: V2Target, name: str, override: dict[str, object] | None,
-             capacity: float, args: argparse.Namespace) -> Outcome:  # fmt: skip
+             capacity: float, args: argparse.Namespace,
+             run: tuple[int, int]) -> Outcome:  # fmt: skip
+    """One config at `--factor` x capacity; `run`: (compute_nice, repeat), for the record."""
     reload(url, MODEL, override)
     play(url, target, [Step(0.0, 5.0, 0.3)], capacity, seed=99, timeout_s=10.0)
     proc = server_process(port)
     sampler = RssSampler(proc)
     before = sampler.now_mb()
     prober, pipe = probed(port, PROBE_HZ, args.seconds)
-    spy = py_spy(proc.pid, args.seconds, args.out / f"{name}.pyspy.txt") if args.py_spy else None
+    spy_path = args.out / f"{name}.nice{run[0]}.r{run[1]}.pyspy.txt"
+    spy = py_spy(proc.pid, args.seconds, spy_path) if args.py_spy else None
     policy_before = policy_state(url, MODEL)
     with sampler, CpuAccount(proc) as cpu:
         steps = [Step(0.0, args.seconds, args.factor)]
@@ -245,7 +298,8 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
     good = [r for r in answered if r.latency_s * 1e3 <= args.slo_ms]
     timed_out = sum(1 for r in records if r.outcome.status == STATUS_TIMEOUT)
     return Outcome(
-        config=name, offered=len(records), answered=len(answered), good=len(good),
+        config=name, compute_nice=run[0], repeat=run[1],
+        offered=len(records), answered=len(answered), good=len(good),
         shed=len(shed), timed_out=timed_out,
         other=len(records) - len(answered) - len(shed) - timed_out,
         goodput_share=len(good) / args.seconds / capacity,
@@ -259,7 +313,8 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
                               if cpu.cores(v) >= 0.005},
         server_us_per_request=cpu.server_s / max(1, len(records)) * 1e6,
         generator_us_per_request=cpu.generator_s / max(1, len(records)) * 1e6,
-        policy_counts=policy_counts(policy_before, policy_after),
+        policy_counts=policy_counts(policy_before, policy_after), thread_nices=thread_nices(proc),
+        thread_switches_per_s=cpu.switches_per_s,
         other_errors=sorted({str(r.outcome.error) for r in records if not r.outcome.ok
                              and r.outcome.status not in (503, STATUS_TIMEOUT)})[:5],
         other_statuses=dict(Counter(r.outcome.status for r in records if not r.outcome.ok
@@ -267,52 +322,80 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
     )  # fmt: skip
 
 
+def measure_capacity(url: str, target: V2Target) -> tuple[float, float]:
+    """(closed-loop, open-loop) capacity in req/s of the server at `url`."""
+    closed = max(capacity_rps(url, target, 5.0) for _ in range(2))
+    print(f"closed-loop capacity (32 clients): {closed:.1f} req/s; open loop:", flush=True)
+    capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
+    if capacity <= 0:
+        raise SystemExit("not even 0.2x the closed-loop rate was sustained: machine too busy")
+    return closed, capacity
+
+
+def config_override(repo: Path, spec: str, slo_ms: float) -> dict[str, object] | None:
+    """The reload override of a --configs entry: `shipped` or `adaptive`, optionally followed by
+    `@key=value;...` laid over the file's [parameters] (e.g. adaptive@dynamic_block_base=4)."""
+    name, _, assignments = spec.partition("@")
+    override = {"shipped": None, "adaptive": adaptive_override(slo_ms, None)}[name]
+    if not assignments:
+        return override
+    config = tomllib.loads((repo / MODEL / "config.toml").read_text())
+    extra = tomllib.loads("\n".join(assignments.split(";")))
+    return {**(override or {}), "parameters": {**config.get("parameters", {}), **extra}}
+
+
 def run(repo: Path, args: argparse.Namespace) -> dict[str, object]:
-    with serving(repo, args.src.resolve(), args.out / "server.log") as (url, port):
-        target = V2Target(Endpoint.from_url(url), v2_requests(url, 256, args.words))
-        play(url, target, [Step(0.0, 3.0, 1.0)], 20.0, seed=1, timeout_s=10.0)  # warm
-        if args.capacity > 0:  # given: builds compared at the same offered rate
-            closed, capacity = 0.0, args.capacity
-        else:
-            closed = max(capacity_rps(url, target, 5.0) for _ in range(2))
-            print(f"closed-loop capacity (32 clients): {closed:.1f} req/s; open loop:", flush=True)
-            capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
-        if capacity <= 0:
-            raise SystemExit("not even 0.2x the closed-loop rate was sustained: machine too busy")
-        print(f"open-loop capacity {capacity:.1f} req/s; overload {args.factor:g}x = "
-              f"{capacity * args.factor:.0f} req/s for {args.seconds:g} s", flush=True)  # fmt: skip
-        configs: dict[str, dict[str, object] | None] = {
-            "shipped": None,
-            "adaptive": adaptive_override(args.slo_ms, None),
-        }
-        outcomes = []
-        for name in args.configs.split(","):
-            print(f"{name} ...", flush=True)
-            outcomes.append(overload(url, port, target, name, configs[name], capacity, args))
-            print("  " + json.dumps(asdict(outcomes[-1])), flush=True)
-    return {"closed_rps": closed, "capacity_rps": capacity, "outcomes": outcomes}
+    """Every config on a server per compute niceness, the nicenesses interleaved per round."""
+    closed, capacity = 0.0, args.capacity  # given: builds compared at the same offered rate
+    configs = {spec: config_override(repo, spec, args.slo_ms) for spec in args.configs.split(",")}
+    outcomes = []
+    nices = [int(n) for n in args.compute_nice.split(",")]
+    for repeat in range(1, args.repeats + 1):
+        for nice in nices:
+            log = args.out / f"server.nice{nice}.r{repeat}.log"
+            extra = ("--compute-nice", str(nice))
+            with serving(repo, args.src.resolve(), log, extra=extra) as (url, port):
+                target = V2Target(Endpoint.from_url(url), v2_requests(url, 256, args.words))
+                play(url, target, [Step(0.0, 3.0, 1.0)], 20.0, seed=1, timeout_s=10.0)  # warm
+                if capacity <= 0:
+                    closed, capacity = measure_capacity(url, target)
+                    print(f"open-loop capacity {capacity:.1f} req/s; overload {args.factor:g}x = "
+                          f"{capacity * args.factor:.0f} req/s for {args.seconds:g} s",
+                          flush=True)  # fmt: skip
+                for name in args.configs.split(","):
+                    print(f"{name}, compute_nice {nice}, round {repeat} (load "
+                          f"{os.getloadavg()[0]:.2f}) ...", flush=True)  # fmt: skip
+                    outcome = overload(url, port, target, name, configs[name], capacity, args,
+                                       (nice, repeat))  # fmt: skip
+                    outcomes.append(outcome)
+                    print("  " + json.dumps(asdict(outcome)), flush=True)
+    return {"closed_rps": closed, "capacity_rps": capacity, "outcomes": outcomes,
+            "load_average": os.getloadavg()}  # fmt: skip
 
 
 def report(found: dict[str, object], args: argparse.Namespace) -> None:
     print(f"\n{args.factor:g}x open-loop capacity ({found['capacity_rps']:.1f} req/s) for "
           f"{args.seconds:g} s, SLO {args.slo_ms:g} ms")  # fmt: skip
-    print("| config | goodput / capacity | admitted P99 ms (from send) | 503s | 503 P99 ms (from "
-          "send) | client lag P99 ms | timeouts | other | health P99 ms | RSS MB before / peak / "
-          "after |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| config | nice | round | goodput / capacity | admitted P99 ms (from send) | 503s "
+          "| 503 P99 ms (from send) | client lag P99 ms | timeouts | other | health P99 ms "
+          "| RSS MB before / peak / after |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     cpu_rows = []
     for o in found["outcomes"]:  # type: ignore[attr-defined]
-        print(f"| {o.config} | {o.goodput_share:.2f} | {o.admitted_p99_ms:.0f} "
+        print(f"| {o.config} | {o.compute_nice} | {o.repeat} | {o.goodput_share:.2f} | "
+              f"{o.admitted_p99_ms:.0f} "
               f"({o.admitted_sent_p99_ms:.0f}) | {o.shed} | {o.shed_p99_ms:.1f} "
               f"({o.shed_sent_p99_ms:.1f}) | {o.client_lag_p99_ms:.1f} | {o.timed_out} | "
               f"{o.other} | {o.health_p99_ms:.1f} | {o.rss_before_mb:.0f} / {o.rss_peak_mb:.0f} "
               f"/ {o.rss_after_mb:.0f} |")  # fmt: skip
-        cpu_rows.append(f"  {o.config}: server {o.server_cores:.2f} cores "
+        cpu_rows.append(f"  {o.config} nice {o.compute_nice} round {o.repeat}: server "
+                        f"{o.server_cores:.2f} cores "
                         f"({o.server_us_per_request:.0f} us/request; by thread "
                         f"{o.server_threads_cores}), load generator {o.generator_cores:.2f} "
                         f"cores ({o.generator_us_per_request:.0f} us/request); other: "
                         f"{o.other_statuses} {o.other_errors}; "
-                        f"policy: {o.policy_counts}")  # fmt: skip
+                        f"policy: {o.policy_counts}; nice by thread: {o.thread_nices}; "
+                        f"switches/s [vol, preempted]: {o.thread_switches_per_s}")  # fmt: skip
     print("CPU during the overload (of 2 cores):")
     print("\n".join(cpu_rows))
 
@@ -328,7 +411,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--slo-ms", type=float, default=100.0)
-    parser.add_argument("--configs", default="shipped,adaptive")
+    parser.add_argument(
+        "--configs",
+        default="shipped,adaptive",
+        help="shipped / adaptive, each optionally with @key=value;... over [parameters]",
+    )
+    parser.add_argument(
+        "--compute-nice",
+        default="0",
+        help="comma-separated `fulcrum serve --compute-nice` values, a server each (e.g. 0,2,5)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over --compute-nice")
     parser.add_argument("--words", type=int, default=8)
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--timeout-s", type=float, default=10.0)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fulcrum import __version__
+from fulcrum.thread_priority import DEFAULT_COMPUTE_NICE
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MIB = 1024 * 1024
@@ -48,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
         load_models=tuple(args.model) if args.model else None,
         freeze_gc_after_start=True,
         memory_budget_bytes=None if args.memory_budget_mb is None else args.memory_budget_mb * MIB,
+        compute_nice=args.compute_nice,
     )
     service = Service.from_repository(Path(args.repository), settings)
     app = create_app(service, admin_token=_admin_token(args.admin_token),
@@ -121,6 +123,16 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
     return parse
 
 
+def _compute_nice(text: str) -> int:
+    from fulcrum.errors import ConfigError
+    from fulcrum.thread_priority import check_compute_nice
+
+    try:
+        return check_compute_nice(int(text))
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(f"must be an integer 0-19: {text!r}") from exc
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fulcrum", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fulcrum {__version__}")
@@ -178,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory the loaded models may take together (measured at each load); a load past "
         "it first unloads the least recently used idle models (env FULCRUM_MEMORY_BUDGET_MB; "
         "default: no budget)",
+    )
+    serve.add_argument(
+        "--compute-nice",
+        type=_compute_nice,
+        default=os.environ.get("FULCRUM_COMPUTE_NICE", str(DEFAULT_COMPUTE_NICE)),
+        help="run the model instance threads and their runtime pools (ONNX Runtime, torch) this "
+        "many nice steps (0-19) below the event loop, so 503s and health probes get a core "
+        "under overload (Linux; env FULCRUM_COMPUTE_NICE; default %(default)s; 0: same priority)",
     )
     serve.add_argument("--admin-token", help="Bearer token for the management API "
                        "(required for it on a non-loopback address)")  # fmt: skip

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from fulcrum.backends import Backend, LoneBatchBackend
 from fulcrum.errors import ExecutionTimeout, Unavailable
+from fulcrum.thread_priority import compute_initializer
 from fulcrum.types import TensorMap
 
 _logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class InstancePool:
         *,
         name: str,
         execution_timeout_s: float | None = None,
+        compute_nice: int = 0,  # nice steps below this thread for the instance threads
     ) -> None:
         if not backends:
             raise ValueError("an instance pool needs at least one backend")
@@ -45,7 +47,7 @@ class InstancePool:
             b.execute_lone if isinstance(b, LoneBatchBackend) else None for b in self._backends
         ]
         self._executors = [
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-instance-{i}")
+            ThreadPoolExecutor(1, f"{name}-instance-{i}", compute_initializer(compute_nice))
             for i in range(len(self._backends))
         ]
         self._jobs: list[Future[TensorMap] | None] = [None] * len(self._backends)

@@ -14,6 +14,7 @@ from fulcrum.instances import InstancePool
 from fulcrum.metrics import ModelMetrics, outcome_of
 from fulcrum.policy_adaptive import AdaptivePolicy
 from fulcrum.stats import ModelStats
+from fulcrum.thread_priority import call_lowered
 from fulcrum.types import TensorMap
 
 
@@ -52,13 +53,16 @@ class BatchServable:
         version_dir: Path,
         metrics: ModelMetrics,
         variant: str = "default",
+        compute_nice: int = 0,
     ) -> BatchServable:
         """Create one backend per instance off the event loop, then start the batcher.
         Takes ownership of `metrics`: a load that fails releases them."""
         backends = []
         try:
             for _ in range(config.instances.count):
-                backends.append(await asyncio.to_thread(create_backend, config, version_dir))
+                # Built on a lowered thread: the runtime pools it spawns inherit its priority.
+                backend = await call_lowered(compute_nice, create_backend, config, version_dir)
+                backends.append(backend)
         except BaseException:
             for backend in backends:
                 backend.close()
@@ -66,8 +70,9 @@ class BatchServable:
             raise
         timeout_s = config.instances.execution_timeout_ms / 1000  # 0: no limit
         pool = InstancePool(
-            backends, name=f"{config.name}/{version}/{variant}", execution_timeout_s=timeout_s
-        )
+            backends, name=f"{config.name}/{version}/{variant}", execution_timeout_s=timeout_s,
+            compute_nice=compute_nice,
+        )  # fmt: skip
         servable = cls(config, version, pool, metrics, variant)
         servable.batcher.start()
         return servable

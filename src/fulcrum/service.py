@@ -51,6 +51,7 @@ from fulcrum.service_run import (
     with_variant,  # fmt: skip
 )
 from fulcrum.service_stream import RowStream, open_row_stream
+from fulcrum.thread_priority import DEFAULT_COMPUTE_NICE
 from fulcrum.types import Clock, TensorMap
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ class ServiceSettings:
     load_models: tuple[str, ...] | None = None  # None: every model in the repository
     freeze_gc_after_start: bool = False  # a server process (the CLI) sets it; tests do not
     memory_budget_bytes: int | None = None  # None: no budget (idle unloads still apply)
+    # instance threads and their pools run this much nicer than the loop (0: same priority)
+    compute_nice: int = DEFAULT_COMPUTE_NICE
 
 
 class Service(GenerativeFacade):
@@ -190,7 +193,9 @@ class Service(GenerativeFacade):
         """One batcher (a variant, or a lane: `label` is then `variant@lane`); a variant's lanes
         share its cache entries (bound with the variant's config)."""
         metrics = self.metrics.for_model(config.name, version, label)
-        servable = await BatchServable.load(config, version, version_dir, metrics, label)
+        servable = await BatchServable.load(
+            config, version, version_dir, metrics, label, self.settings.compute_nice
+        )
         await self.caches.bind(cache_config, version, variant, version_dir, servable)
         return servable
 
