@@ -612,3 +612,23 @@ def test_random_workloads_finish_with_reference_outputs(
         event(f"finish: {seq.finish_reason}")
     if h.block_manager.stats.num_hits:
         event("prefix hit")
+
+
+def test_a_step_with_budget_left_schedules_every_running_sequence_after_preemptions() -> None:
+    # Tight memory (preemptions in most steps) and a budget the prefills exhaust: the budget
+    # the scheduler tracks through its running loop must give a preempted sequence's tokens
+    # back to the sequences after it, never leave budget unused while one of them waits.
+    h = make_harness(num_blocks=7, block_size=4, max_num_batched_tokens=12)
+    for i in range(4):
+        h.scheduler.add(make_seq(i, prompt_of(5 + i, i + 1), max_tokens=9))
+    num_preempted = 0
+    for _ in range(300):
+        if not h.scheduler.has_unfinished:
+            break
+        batch, _ = h.step()
+        num_preempted += len(batch.preempted)
+        if batch.num_batched_tokens < h.scheduler.max_num_batched_tokens:
+            assert set(h.scheduler._running) <= set(batch.seqs)
+    assert num_preempted > 0
+    assert not h.scheduler.has_unfinished
+    assert h.block_manager.num_free_blocks() == 7

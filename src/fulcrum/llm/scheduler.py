@@ -172,18 +172,20 @@ class Scheduler:
         if len(sampled) != len(batch.seqs):
             raise FulcrumError(f"{len(sampled)} sampled tokens for {len(batch.seqs)} sequences")
         updated: list[Sequence] = []
+        running = SequenceStatus.RUNNING
+        commit = self.block_manager.commit
         for seq, num_new_tokens, token_id in zip(
             batch.seqs, batch.num_new_tokens, sampled, strict=True
         ):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted or finished between schedule() and update()
             if seq.spec_token_ids:
                 self._accept_verified(seq, token_id)
                 updated.append(seq)
                 continue
             seq.num_computed_tokens += num_new_tokens
-            self.block_manager.commit(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            commit(seq)
+            if seq.num_computed_tokens < len(seq.token_ids):
                 if token_id is not None:
                     raise FulcrumError(
                         f"sequence {seq.seq_id} sampled in the middle of its prefill"
@@ -250,19 +252,28 @@ class Scheduler:
         # left when it was admitted, so nobody was admitted after it. A long prompt is thus
         # chunked to what the decodes leave and never delays anyone's next token.
         spare = self._spare_draft_tokens()  # beyond one token per running sequence
+        # The budget left is tracked here, not summed over the batch per sequence (quadratic in
+        # the running sequences); it is summed again only after a preemption shrank the batch.
+        budget = self._budget_left(batch)
+        running = SequenceStatus.RUNNING
         for seq in list(self._running):
-            budget = self._budget_left(batch)
             if budget < 1:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this step
-            seq.spec_token_ids = []
+            if seq.spec_token_ids:
+                seq.spec_token_ids = []
             if spare > 0 and self._schedule_drafts(seq, spare, batch):
                 spare -= len(seq.spec_token_ids)
+                budget = self._budget_left(batch)
                 continue
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_preempted = len(batch.preempted)
             if self._reserve(seq, num_new_tokens, batch):
                 batch.add(seq, num_new_tokens)
+                budget -= num_new_tokens
+            if len(batch.preempted) != num_preempted:
+                budget = self._budget_left(batch)
 
     def _reserve(self, seq: Sequence, num_new_tokens: int, batch: ScheduledBatch) -> bool:
         """Get blocks for seq's next tokens, preempting as needed; False if seq was preempted."""
@@ -309,13 +320,14 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         sampling = seq.sampling
-        if seq.num_output_tokens < sampling.min_tokens:  # <= max_tokens: never past the length
+        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_output_tokens < sampling.min_tokens:  # <= max_tokens: never past the length
             return None  # vLLM: no stop before min_tokens (their logits were masked anyway)
         if token_id == seq.eos_token_id and not sampling.ignore_eos:
             return FinishReason.STOP
         if token_id in sampling.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= sampling.max_tokens:
+        if num_output_tokens >= sampling.max_tokens:
             return FinishReason.LENGTH
         return None
 

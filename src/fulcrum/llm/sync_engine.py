@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 from pathlib import Path
+from typing import cast
 
 from fulcrum.extras import check_torch_version, missing_extra, require_extra
 
@@ -291,8 +292,11 @@ class LLMEngine(EngineFront):
 
     def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         now_s = self.clock.now()
+        by_seq = self._by_seq
         for seq in batch.seqs:
-            self._by_seq[seq.seq_id].on_scheduled(now_s, self.metrics)
+            state = by_seq[seq.seq_id]
+            if state.first_scheduled_s is None:  # per sequence per step: skip the call after
+                state.on_scheduled(now_s, self.metrics)
         try:
             sampled = self.runner.run(batch)
         except Exception as exc:
@@ -306,12 +310,14 @@ class LLMEngine(EngineFront):
             return [self._fail(self._by_seq[seq.seq_id], error) for seq in batch.seqs]
         self._num_failed_steps = 0
         outputs: list[RequestOutput] = []
-        tokens: list[StepTokens] = []
-        for seq, token in zip(batch.seqs, sampled, strict=True):
-            if isinstance(token, ModelError):  # this row alone: update() skips the aborted seq
-                outputs.append(self._fail(self._by_seq[seq.seq_id], token))
-                token = None
-            tokens.append(token)
+        tokens = cast("list[StepTokens]", sampled)  # unless a row failed (checked next)
+        if any(isinstance(token, ModelError) for token in sampled):
+            tokens = []
+            for seq, token in zip(batch.seqs, sampled, strict=True):
+                if isinstance(token, ModelError):  # this row alone: update() skips its seq
+                    outputs.append(self._fail(self._by_seq[seq.seq_id], token))
+                    token = None
+                tokens.append(token)
         updated = self.scheduler.update(batch, tokens)
         now_s = self.clock.now()
         for seq in updated:
@@ -326,8 +332,8 @@ class LLMEngine(EngineFront):
     def _postprocess(self, state: RequestState, now_s: float) -> RequestOutput:
         seq = state.seq
         last_token_s = state.last_token_s
-        new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_sent_tokens :]  # >1: drafts
-        state.on_token(now_s, self.metrics, len(new_ids))
+        first_new = seq.num_prompt_tokens + state.num_sent_tokens  # more than one new: drafts
+        state.on_token(now_s, self.metrics, len(seq.token_ids) - first_new)
         if self.budget is not None:
             if last_token_s is None:
                 self.budget.observe_ttft(now_s - state.arrival_s)
@@ -335,7 +341,7 @@ class LLMEngine(EngineFront):
                 self.budget.observe_itl(now_s - last_token_s)
         detokenizer = state.detokenizer
         if detokenizer is not None:
-            for token_id in new_ids:
+            for token_id in seq.token_ids[first_new:]:
                 detokenizer.add(token_id)
             if detokenizer.stopped and not seq.is_finished:
                 self.scheduler.finish(seq.seq_id, FinishReason.STOP)
