@@ -12,7 +12,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fulcrum import __version__
 from fulcrum.batcher import InferResult
@@ -54,9 +54,6 @@ from fulcrum.service_stream import RowStream, open_row_stream
 from fulcrum.thread_priority import DEFAULT_COMPUTE_NICE
 from fulcrum.types import Clock, TensorMap
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger(__name__)
 
 EXTENSIONS = ("binary_tensor_data", "model_repository", "statistics", "schedule_policy",
@@ -73,8 +70,7 @@ class ServiceSettings:
     load_models: tuple[str, ...] | None = None  # None: every model in the repository
     freeze_gc_after_start: bool = False  # a server process (the CLI) sets it; tests do not
     memory_budget_bytes: int | None = None  # None: no budget (idle unloads still apply)
-    # instance threads and their pools run this much nicer than the loop (0: same priority)
-    compute_nice: int = DEFAULT_COMPUTE_NICE
+    compute_nice: int = DEFAULT_COMPUTE_NICE  # instance threads' nice steps below the loop
 
 
 class Service(GenerativeFacade):
