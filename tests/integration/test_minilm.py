@@ -63,6 +63,7 @@ def test_config_is_what_the_server_expects(example_repo: Path) -> None:
     assert config.parameters == {
         "intra_op_threads": 2,
         "allow_spinning": False,
+        "dynamic_block_base": 4,
         "length_bucket_rows": 8,
     }
 
