@@ -107,16 +107,22 @@ async def flood(url: str, concurrency: int, until: float) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def serving(
-    repo: Path, src: Path, log_path: Path, model: str = "minilm", extra: Sequence[str] = ()
+    repo: Path,
+    src: Path,
+    log_path: Path,
+    model: str = "minilm",
+    extra: Sequence[str] = (),
+    launcher: Sequence[str] = ("-m", "fulcrum.cli"),
 ) -> Iterator[tuple[str, int]]:
     """`fulcrum serve` of one model of repo (the code under src) on a free loopback port;
-    `extra`: more `fulcrum serve` flags (e.g. --compute-nice 5)."""
+    `extra`: more `fulcrum serve` flags (e.g. --compute-nice 5); `launcher`: the interpreter
+    arguments that run the CLI (a wrapper script that records something around it)."""
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fulcrum.cli", "serve", "--repository", str(repo),
+            [sys.executable, *launcher, "serve", "--repository", str(repo),
              "--model", model, "--host", "127.0.0.1", "--port", str(port), *extra],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip

@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -35,9 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from adaptive_ends import copy_with
+from health_under_flood import serving
 
 from fulcrum.client import Endpoint
-from fulcrum.demo import free_port, wait_ready
 from fulcrum.loadgen.driver import PerfTimer, Slot
 from fulcrum.loadgen.kserve import PreparedRequest, V2Slot, V2Target
 from fulcrum.loadgen.open_loop import run_open_loop
@@ -116,26 +113,8 @@ class TracedTarget(V2Target):
 
 @contextmanager
 def traced_serving(repo: Path, src: Path, log_path: Path, gc_path: Path) -> Iterator[str]:
-    port = free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", GC_WRAPPER, str(gc_path), "serve", "--repository", str(repo),
-             "--model", "minilm", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, proc, timeout_s=180)
-            yield url
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with serving(repo, src, log_path, launcher=("-c", GC_WRAPPER, str(gc_path))) as (url, _):
+        yield url
 
 
 def parts(record: RequestRecord) -> dict[str, float] | None:
