@@ -217,7 +217,7 @@ class Service(GenerativeFacade):
         """Validate and run one request; returns the version that served it and its result."""
         self._check_open()
         ctx = self._v2_context(ctx, request)
-        await self._lifecycle.ensure_loaded(ctx, name)
+        ctx = await self._lifecycle.ensure_loaded(ctx, name)
         route = self.router.route(ctx, name, version)
         servable = self._batch_model(route)
         validate_requested_outputs(servable.config, request.outputs)
@@ -240,7 +240,7 @@ class Service(GenerativeFacade):
         assert first.routing.cascade is not None
         then = first.routing.cascade.then
         ctx = dataclasses.replace(ctx, variant=None, lane=None)
-        await self._lifecycle.ensure_loaded(ctx, then)
+        ctx = await self._lifecycle.ensure_loaded(ctx, then)
         route = self.router.route(ctx, then, None)
         servable = self._batch_model(route)
         check_compatible(first, servable.config)  # checked at load; the second may have reloaded
@@ -282,7 +282,7 @@ class Service(GenerativeFacade):
         input or a refused chunk raises here, before any row is sent."""
         self._check_open()
         ctx = self._v2_context(ctx, request)
-        await self._lifecycle.ensure_loaded(ctx, name)
+        ctx = await self._lifecycle.ensure_loaded(ctx, name)
         route = self.router.route(ctx, name, version)
         servable = self._batch_model(route)
         validate_requested_outputs(servable.config, request.outputs)
@@ -311,7 +311,7 @@ class Service(GenerativeFacade):
         """Embed `texts` with a batch model that takes text: chunks of max_batch_size rows go
         through the model's batcher like any v2 request; usage counts the model's tokens."""
         self._check_open()
-        await self._lifecycle.ensure_loaded(ctx, name)
+        ctx = await self._lifecycle.ensure_loaded(ctx, name)
         ctx = dataclasses.replace(ctx, num_rows=max(1, len(texts)))  # the lane estimate's
         route = self.router.route(ctx, name, None)
         servable = self._batch_model(route)

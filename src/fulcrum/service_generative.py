@@ -72,7 +72,7 @@ class GenerativeFacade:
         add_special_tokens: bool = True,
     ) -> LLMCall:
         """Tokenise a completion prompt (bounded in bytes first, large ones off the loop)."""
-        await self._lifecycle.ensure_loaded(ctx, name)
+        ctx = await self._lifecycle.ensure_loaded(ctx, name)
         version, servable = self._llm(ctx, name)
         return await prepare_prompt(
             servable, name, version, prompt, self.settings.max_prompt_bytes,
@@ -88,7 +88,7 @@ class GenerativeFacade:
     ) -> LLMCall:
         """Render and tokenise chat messages with the model's template (or the request's, where
         the model trusts them) and the request's chat options (no BOS added twice)."""
-        await self._lifecycle.ensure_loaded(ctx, name)
+        ctx = await self._lifecycle.ensure_loaded(ctx, name)
         version, servable = self._llm(ctx, name)
         return await prepare_chat(
             servable, name, version, messages, self.settings.max_prompt_bytes, options

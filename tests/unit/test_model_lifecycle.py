@@ -123,6 +123,23 @@ async def test_requests_to_a_parked_model_wait_for_one_load(world: World) -> Non
     assert stats is not None and stats["cold_start"] == {"count": 1, "ns": 2_500_000_000}
 
 
+async def test_a_request_that_woke_the_model_counts_its_slo_from_the_ready_model(
+    world: World,
+) -> None:
+    """Its deadline stays; its age (what an adaptive batcher's SLO counts from) restarts, or the
+    batcher would shed the very request whose wait was the load's."""
+    received_s, deadline_s = time.monotonic() - 5.0, time.monotonic() + 60.0
+    ctx = RequestContext("r", "t", "v2", deadline_s=deadline_s, received_s=received_s)
+    assert await world.life.ensure_loaded(ctx, "a") is ctx  # resident: unchanged
+    await park(world)
+    woken = await world.life.ensure_loaded(ctx, "a")
+    assert woken.deadline_s == deadline_s and woken.request_id == "r"
+    assert woken.received_s is not None and woken.received_s >= received_s + 5.0
+    internal = internal_context()
+    await park(world)
+    assert (await world.life.ensure_loaded(internal, "a")).received_s is None
+
+
 async def test_a_woken_model_unloads_again_when_idle(world: World) -> None:
     await park(world)
     await world.life.ensure_loaded(internal_context(), "a")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -229,17 +230,23 @@ class ModelLifecycle:
 
     # --- requests: leases and wakes ---------------------------------------------------------
 
-    async def ensure_loaded(self, ctx: RequestContext, name: str) -> None:
+    async def ensure_loaded(self, ctx: RequestContext, name: str) -> RequestContext:
         """Note a request for `name`; a parked model is loaded first, the request waiting for
         it (bounded by its deadline and the model's `load_timeout_s`). Names the repository
-        does not know pass through (the caller's 404)."""
+        does not know pass through (the caller's 404). Returns the context to serve it with:
+        after a cold start its SLO age counts from when the model was ready (the wait was the
+        load's, not the queue's: an adaptive batcher would shed the request that woke it)."""
         life = self._models.get(name)
         if life is None:
-            return
+            return ctx
         life.last_used_s = self.clock.now()
-        if self.repository.is_parked(name):
-            await self._wait_for_wake(ctx, name, life)
-            life.last_used_s = self.clock.now()
+        if not self.repository.is_parked(name):
+            return ctx
+        await self._wait_for_wake(ctx, name, life)
+        life.last_used_s = self.clock.now()
+        if ctx.received_s is None:
+            return ctx
+        return dataclasses.replace(ctx, received_s=time.monotonic())
 
     async def _wait_for_wake(self, ctx: RequestContext, name: str, life: ModelLife) -> None:
         if life.wake is None:
