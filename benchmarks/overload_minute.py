@@ -1,18 +1,18 @@
 """Three times capacity for a minute: issue 11's acceptance run for overload.
 
     .venv/bin/python benchmarks/overload_minute.py [--factor 3] [--seconds 60] [--slo-ms 100]
-        [--configs shipped,adaptive] [--out /tmp/overload] [--compute-nice 0,2,5 --repeats 2]
+        [--configs shipped,adaptive,triton] [--out /tmp/overload] [--compute-nice 0,2,5 --repeats 2]
 
 One `fulcrum serve --model minilm` process. Capacity is measured open loop, as the overload is
 sent: Poisson steps from 0.2x to 1.4x the closed-loop rate (32 clients), and capacity is the
 highest rate whose step answered at least 99% of its requests, all within 1 s. Then, per config
-(the shipped one, and `policy = "adaptive"` with the SLO, each loaded by a reload override and
-warmed 5 s at 30%): `--factor` x capacity, Poisson, for `--seconds`, while a prober process
-GETs /v2/health/live and /ready 20 times a second on its own connection, and the server's RSS is
-sampled. Printed per config, in the issue's terms: goodput (answers within the SLO per second)
-as a share of capacity, the admitted P99, how many got 503 and how fast, client timeouts and
-other errors (nothing may be lost: offered = answered + 503 + the rest), health P99, and RSS
-before, at the peak and 10 s after the load stopped. Figures also go to --out as JSON.
+(the shipped one; `policy = "adaptive"` with the SLO; `triton`: Triton's rules; each loaded by a
+reload override and warmed 5 s at 30%): `--factor` x capacity, Poisson, for `--seconds`, while a
+prober process GETs /v2/health/live and /ready 20 times a second on its own connection, and the
+server's RSS is sampled. Printed per config, in the issue's terms: goodput (answers within the SLO
+per second) as a share of capacity, the admitted P99, how many got 503 and how fast, client
+timeouts and other errors (nothing may be lost: offered = answered + 503 + the rest), health P99,
+and RSS before, at the peak and 10 s after the load stopped. Figures also go to --out as JSON.
 With several `--compute-nice` values, each gets its own server (`fulcrum serve --compute-nice N`),
 interleaved round after round for `--repeats` rounds, all at the capacity measured first.
 """
@@ -333,10 +333,15 @@ def measure_capacity(url: str, target: V2Target) -> tuple[float, float]:
 
 
 def config_override(repo: Path, spec: str, slo_ms: float) -> dict[str, object] | None:
-    """The reload override of a --configs entry: `shipped` or `adaptive`, optionally followed by
-    `@key=value;...` laid over the file's [parameters] (e.g. adaptive@dynamic_block_base=4)."""
+    """The reload override of a --configs entry: `shipped`, `adaptive` or `triton` (the file's
+    config under Triton's batching rules), optionally followed by `@key=value;...` laid over the
+    file's [parameters] (e.g. adaptive@dynamic_block_base=4)."""
     name, _, assignments = spec.partition("@")
-    override = {"shipped": None, "adaptive": adaptive_override(slo_ms, None)}[name]
+    override = {
+        "shipped": None,
+        "adaptive": adaptive_override(slo_ms, None),
+        "triton": {"dynamic_batching": {"policy": "triton"}},
+    }[name]
     if not assignments:
         return override
     config = tomllib.loads((repo / MODEL / "config.toml").read_text())
@@ -414,7 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         default="shipped,adaptive",
-        help="shipped / adaptive, each optionally with @key=value;... over [parameters]",
+        help="shipped / adaptive / triton, each optionally with @key=value;... over [parameters]",
     )
     parser.add_argument(
         "--compute-nice",

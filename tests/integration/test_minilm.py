@@ -60,6 +60,7 @@ def test_config_is_what_the_server_expects(example_repo: Path) -> None:
     assert config.dynamic_batching is not None
     assert config.dynamic_batching.max_queue_delay_ms == 0
     assert config.dynamic_batching.preferred_batch_sizes == (16,)
+    assert (config.dynamic_batching.policy, config.dynamic_batching.slo_p99_ms) == ("adaptive", 100)
     assert config.parameters == {
         "intra_op_threads": 2,
         "allow_spinning": False,

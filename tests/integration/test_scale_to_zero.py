@@ -240,7 +240,7 @@ async def test_an_embedding_model_parks_and_wakes_for_openai_embeddings(example_
         await service._lifecycle.sweep()
         assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["minilm"]
         response = await c.post("/v1/embeddings", json=body)
-        assert response.status_code == 200
+        assert response.status_code == 200, response.text
         assert response.json()["data"][0]["embedding"] == pytest.approx(first, abs=1e-6)
         stats = (await c.get("/v2/models/minilm/stats")).json()["model_stats"][0]["lifecycle"]
         assert (stats["idle_unloads"], stats["cold_start"]["count"]) == (1, 1)

@@ -32,6 +32,9 @@ def test_plain_configs_keep_their_overrides(tmp_path: Path) -> None:
     assert overload_minute.config_override(repo, "adaptive", 80.0) == {
         "dynamic_batching": {"policy": "adaptive", "slo_p99_ms": 80.0}
     }
+    assert overload_minute.config_override(repo, "triton", 80.0) == {
+        "dynamic_batching": {"policy": "triton"}
+    }
 
 
 def test_parameters_after_at_are_laid_over_the_files_parameters(tmp_path: Path) -> None:
