@@ -104,6 +104,9 @@ class Outcome:
     thread_nices: dict[str, list[int]] | None = None  # the server's, by thread name
     # [voluntary, involuntary] context switches per second over the overload, by thread name
     thread_switches_per_s: dict[str, list[int]] | None = None
+    # requests sent a second time, not counted in `other`: the server closed their idle
+    # keep-alive connection before any byte of an answer (fulcrum.client.ClosedUnanswered)
+    retried: int = 0
 
 
 def p99_ms(records: list[RequestRecord], of: str = "latency") -> float:
@@ -283,6 +286,7 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
     spy_path = args.out / f"{name}.nice{run[0]}.r{run[1]}.pyspy.txt"
     spy = py_spy(proc.pid, args.seconds, spy_path) if args.py_spy else None
     policy_before = policy_state(url, MODEL)
+    retried_before = target.num_retried
     with sampler, CpuAccount(proc) as cpu:
         steps = [Step(0.0, args.seconds, args.factor)]
         records = play(url, target, steps, capacity, seed=args.seed, timeout_s=args.timeout_s)
@@ -314,7 +318,7 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
         server_us_per_request=cpu.server_s / max(1, len(records)) * 1e6,
         generator_us_per_request=cpu.generator_s / max(1, len(records)) * 1e6,
         policy_counts=policy_counts(policy_before, policy_after), thread_nices=thread_nices(proc),
-        thread_switches_per_s=cpu.switches_per_s,
+        thread_switches_per_s=cpu.switches_per_s, retried=target.num_retried - retried_before,
         other_errors=sorted({str(r.outcome.error) for r in records if not r.outcome.ok
                              and r.outcome.status not in (503, STATUS_TIMEOUT)})[:5],
         other_statuses=dict(Counter(r.outcome.status for r in records if not r.outcome.ok
@@ -398,7 +402,7 @@ def report(found: dict[str, object], args: argparse.Namespace) -> None:
                         f"({o.server_us_per_request:.0f} us/request; by thread "
                         f"{o.server_threads_cores}), load generator {o.generator_cores:.2f} "
                         f"cores ({o.generator_us_per_request:.0f} us/request); other: "
-                        f"{o.other_statuses} {o.other_errors}; "
+                        f"{o.other_statuses} {o.other_errors}; retried: {o.retried}; "
                         f"policy: {o.policy_counts}; nice by thread: {o.thread_nices}; "
                         f"switches/s [vol, preempted]: {o.thread_switches_per_s}")  # fmt: skip
     print("CPU during the overload (of 2 cores):")

@@ -62,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, loop="uvloop", http=protocol,
         access_log=False, log_level=args.log_level.lower(),
+        timeout_keep_alive=args.keep_alive_timeout,
         timeout_graceful_shutdown=math.ceil(args.drain_timeout), lifespan="on",
     )  # fmt: skip
 
@@ -182,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(float),
         default=30.0,
         help="seconds from the end of the headers to the end of the body",
+    )
+    serve.add_argument(
+        "--keep-alive-timeout",
+        type=_positive(float),
+        default=5.0,
+        help="seconds an idle keep-alive connection is kept open (uvicorn's and vLLM's default "
+        "5); behind a proxy or load balancer, set it above the proxy's idle timeout",
     )
     serve.add_argument(
         "--memory-budget-mb",

@@ -17,6 +17,7 @@ import httptools
 import msgspec
 
 from fulcrum.errors import FulcrumError
+from fulcrum.pending_input import input_pending
 
 
 class ClientError(FulcrumError):
@@ -29,6 +30,11 @@ class ClientTimeout(ClientError):
     """Client side: no complete response within the request's timeout."""
 
     status_code = 504
+
+
+class ClosedUnanswered(ClientError):
+    """Client side: the server closed a reused keep-alive connection before any byte of the
+    response: the idle-close race of RFC 9112 9.3.1, after which a request may be retried."""
 
 
 @dataclass(slots=True)
@@ -111,7 +117,7 @@ def build_request(
 class _Exchange:
     """Parser callbacks for the response in flight on one connection."""
 
-    __slots__ = ("chunks", "done", "error", "headers", "status", "stream")
+    __slots__ = ("answered", "chunks", "done", "error", "headers", "status", "stream")
 
     def __init__(self, done: asyncio.Future[None], stream: asyncio.Queue[bytes | None] | None):
         self.done = done
@@ -120,6 +126,7 @@ class _Exchange:
         self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
         self.error: ClientError | None = None  # set when a stream broke after its headers
+        self.answered = False  # a byte of the response arrived
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
@@ -139,6 +146,7 @@ class _Protocol(asyncio.Protocol):
         self.exchange: _Exchange | None = None
         self.parser: httptools.HttpResponseParser | None = None
         self.keep_alive = True
+        self.num_responses = 0  # completed on this connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have the same methods.
@@ -167,6 +175,7 @@ class _Protocol(asyncio.Protocol):
     def on_message_complete(self) -> None:
         exchange, self.exchange = self.exchange, None
         assert exchange is not None and self.parser is not None
+        self.num_responses += 1
         self.keep_alive = bool(self.parser.should_keep_alive())
         if exchange.stream is not None:
             exchange.stream.put_nowait(None)
@@ -177,6 +186,7 @@ class _Protocol(asyncio.Protocol):
         if self.parser is None or self.exchange is None:
             self.keep_alive = False  # bytes nobody asked for: the connection is out of step
             return
+        self.exchange.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -185,8 +195,15 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.keep_alive = False
         self.transport = None
-        if self.exchange is not None:
-            self._fail(ClientError("server closed the connection before the response ended"))
+        exchange = self.exchange
+        if exchange is None:
+            return
+        if not exchange.answered and self.num_responses > 0:
+            # The server's idle timeout crossed our request on the wire: it never saw it.
+            message = "server closed the reused connection before any byte of the response"
+            self._fail(ClosedUnanswered(message))
+            return
+        self._fail(ClientError("server closed the connection before the response ended"))
 
     def _fail(self, error: ClientError) -> None:
         exchange, self.exchange = self.exchange, None
@@ -228,10 +245,19 @@ class Connection:
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
         self._protocol: _Protocol | None = None
+        self.num_retried = 0  # requests sent again after a ClosedUnanswered
 
     async def _ensure_open(self) -> _Protocol:
         protocol = self._protocol
-        if protocol is not None and protocol.transport is not None and protocol.keep_alive:
+        # An idle connection with input waiting is one the server closed (or broke): its end of
+        # stream arrived but our loop, running late, has not read it yet. urllib3 and httpcore
+        # make the same check before reusing a pooled connection.
+        if (
+            protocol is not None
+            and protocol.transport is not None
+            and protocol.keep_alive
+            and not input_pending(protocol.transport)
+        ):
             return protocol
         self.close()
         loop = asyncio.get_running_loop()
@@ -247,20 +273,45 @@ class Connection:
         self._protocol = opened
         return opened
 
-    async def request(self, raw: bytes, *, timeout_s: float | None = None) -> HttpResponse:
-        """Send prebuilt request bytes; the complete response."""
-        protocol = await self._ensure_open()
-        exchange = _Exchange(asyncio.get_running_loop().create_future(), None)
-        await self._exchange(protocol, exchange, raw, timeout_s)
+    async def request(
+        self, raw: bytes, *, timeout_s: float | None = None, retry_unanswered: bool = False
+    ) -> HttpResponse:
+        """Send prebuilt request bytes; the complete response. `retry_unanswered`: send it once
+        more, on a new connection, after a ClosedUnanswered (for requests safe to repeat)."""
+        exchange = await self._send(raw, False, timeout_s, retry_unanswered)
         return HttpResponse(exchange.status, exchange.headers, b"".join(exchange.chunks))
 
-    async def stream(self, raw: bytes, *, timeout_s: float | None = None) -> Stream:
+    async def stream(
+        self, raw: bytes, *, timeout_s: float | None = None, retry_unanswered: bool = False
+    ) -> Stream:
         """Send prebuilt request bytes; the response once its headers arrived."""
+        exchange = await self._send(raw, True, timeout_s, retry_unanswered)
+        assert exchange.stream is not None
+        return Stream(exchange, exchange.stream)
+
+    async def _send(
+        self, raw: bytes, streamed: bool, timeout_s: float | None, retry_unanswered: bool
+    ) -> _Exchange:
+        loop = asyncio.get_running_loop()
+        deadline_s = None if timeout_s is None else loop.time() + timeout_s
+        try:
+            return await self._attempt(raw, streamed, deadline_s)
+        except ClosedUnanswered:
+            if not retry_unanswered:
+                raise
+            # RFC 9112 9.3.1: a request cut off this way may be sent again where repeating it is
+            # safe; once, so a server that closes on every request is still seen failing.
+            self.num_retried += 1
+            return await self._attempt(raw, streamed, deadline_s)
+
+    async def _attempt(self, raw: bytes, streamed: bool, deadline_s: float | None) -> _Exchange:
         protocol = await self._ensure_open()
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        exchange = _Exchange(asyncio.get_running_loop().create_future(), queue)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[bytes | None] | None = asyncio.Queue() if streamed else None
+        exchange = _Exchange(loop.create_future(), queue)
+        timeout_s = None if deadline_s is None else max(0.0, deadline_s - loop.time())
         await self._exchange(protocol, exchange, raw, timeout_s)
-        return Stream(exchange, queue)
+        return exchange
 
     async def _exchange(
         self, protocol: _Protocol, exchange: _Exchange, raw: bytes, timeout_s: float | None

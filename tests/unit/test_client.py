@@ -40,6 +40,9 @@ class FakeTransport:
             self.closed = True
             self.protocol.connection_lost(None)
 
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default  # no socket: nothing is ever found waiting unread
+
 
 def connect(replies: list[list[bytes]]) -> tuple[Connection, FakeTransport]:
     connection = Connection(ENDPOINT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ class FakeTransport(asyncio.Transport):
         self.written = bytearray()
         self.closed = self.eof_written = False
         self.reading = True
+        self.num_bytes_buffered = 0  # written, not yet flushed to the socket
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += data
@@ -73,6 +75,9 @@ class FakeTransport(asyncio.Transport):
 
     def can_write_eof(self) -> bool:
         return True
+
+    def get_write_buffer_size(self) -> int:
+        return self.num_bytes_buffered
 
     def write_eof(self) -> None:
         self.eof_written = True
@@ -114,10 +119,10 @@ class App:
 class Conn:
     """One connection: the protocol over a fake transport, with its app, clock and tasks."""
 
-    def __init__(self, limits: EdgeLimits = LIMITS) -> None:
+    def __init__(self, limits: EdgeLimits = LIMITS, transport: FakeTransport | None = None) -> None:
         self.app = App()
         self.clock = FakeClock(asyncio.get_running_loop())
-        self.transport = FakeTransport()
+        self.transport = transport or FakeTransport()
         self.state = ServerState()
         config = uvicorn.Config(self.app, log_config=None, lifespan="off")
         self.protocol = protocol_with(limits)(
@@ -327,6 +332,82 @@ async def test_a_head_over_the_limit_waits_for_an_earlier_answer() -> None:
     assert conn.protocol.cycle.keep_alive is False  # closes once /hang is answered
     for task in conn.state.tasks:
         task.cancel()
+
+
+class SocketTransport(FakeTransport):
+    """A fake transport over one end of a real socket pair: what the peer sends waits there,
+    unread, until the test feeds it to the protocol (the loop's read, after its timers)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.sock if name == "socket" else super().get_extra_info(name, default)
+
+
+KEEP_ALIVE_S = uvicorn.Config(App()).timeout_keep_alive
+
+
+async def test_keep_alive_timeout_spares_a_request_already_waiting_unread() -> None:
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        peer.setblocking(False)
+        conn = Conn(transport=SocketTransport(ours))
+        conn.send(head(body_bytes=0))
+        await conn.settle()
+        peer.sendall(head(body_bytes=0))  # the next request: arrived, not yet read
+        conn.clock.advance(KEEP_ALIVE_S)  # a late loop runs the idle timer before the read
+        assert not conn.transport.closed  # it used to close (and reset) the connection here
+        conn.send(ours.recv(1 << 16))  # the read of the same loop iteration
+        await conn.settle()
+        assert [a[0] for a in conn.answers()] == [200, 200]
+        conn.clock.advance(KEEP_ALIVE_S)  # idle again, nothing waiting: closed as before
+        assert conn.transport.closed
+        assert peer.recv(1) == b""  # and the client was told at once (see the next test)
+
+
+async def test_idle_close_sends_its_end_of_stream_at_once() -> None:
+    # A real transport's close() sends the FIN only after the loop's other ready callbacks:
+    # a window in which the client still sees an open connection and sends into a reset.
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        peer.setblocking(False)
+        conn = Conn(transport=SocketTransport(ours))
+        conn.send(head(body_bytes=0))
+        await conn.settle()
+        conn.clock.advance(KEEP_ALIVE_S - 0.1)
+        assert not conn.transport.closed
+        conn.clock.advance(0.1)
+        assert conn.transport.closed and len(conn.answers()) == 1
+        assert peer.recv(1) == b""  # the fake's close() did not touch the socket: the FIN did
+
+
+async def test_idle_close_leaves_a_still_buffered_answer_to_close() -> None:
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        peer.setblocking(False)
+        conn = Conn(transport=SocketTransport(ours))
+        conn.send(head(body_bytes=0))
+        await conn.settle()
+        conn.transport.num_bytes_buffered = 10  # a slow reader: the answer is not all out yet
+        conn.clock.advance(KEEP_ALIVE_S)
+        assert conn.transport.closed  # close() flushes, then closes
+        with pytest.raises(BlockingIOError):
+            peer.recv(1)  # no early FIN: it would have cut the answer short
+
+
+async def test_silent_connection_timer_spares_a_first_byte_waiting_unread() -> None:
+    ours, peer = socket.socketpair()
+    with ours, peer:
+        peer.setblocking(False)
+        conn = Conn(transport=SocketTransport(ours))
+        peer.sendall(b"GET /x HTTP/1.1\r\n")
+        conn.clock.advance(LIMITS.header_timeout_s)
+        assert not conn.transport.closed
+        conn.send(ours.recv(1 << 16) + b"Host: a\r\n\r\n")
+        await conn.settle()
+        assert [a[0] for a in conn.answers()] == [200]
 
 
 def test_limits_are_validated_and_bound_per_class() -> None:

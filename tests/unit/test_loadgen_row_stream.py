@@ -65,6 +65,9 @@ class FakeTransport:
             self.closed = True
             self.protocol.connection_lost(None)
 
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default  # no socket: the client finds nothing waiting unread before a reuse
+
 
 def slot_with(replies: list[list[bytes]]) -> tuple[V2StreamSlot, FakeTransport]:
     target = V2StreamTarget(ENDPOINT, [PreparedRequest(b"POST /x HTTP/1.1\r\n\r\n", 5)])

@@ -133,6 +133,7 @@ class V2Target:
         self.endpoint = endpoint
         self.requests = requests
         self.num_sent = 0
+        self.num_retried = 0  # sent again after the server's idle close crossed them (client.py)
 
     def open_slot(self) -> V2Slot:
         return V2Slot(self)
@@ -149,7 +150,14 @@ class V2Slot:
         target = self.target
         request = target.requests[target.num_sent % len(target.requests)]
         target.num_sent += 1
-        response = await self.connection.request(request.raw, timeout_s=timeout_s)
+        retried = self.connection.num_retried
+        try:
+            # An inference is safe to repeat: it changes nothing on the server.
+            response = await self.connection.request(
+                request.raw, timeout_s=timeout_s, retry_unanswered=True
+            )
+        finally:
+            target.num_retried += self.connection.num_retried - retried
         if not 200 <= response.status < 300:
             return Outcome(response.status, request.num_rows, error=response.body[:200].decode())
         timing = response.server_timing_ms()

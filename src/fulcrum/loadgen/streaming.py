@@ -23,6 +23,7 @@ class StreamTarget:
         self.requests = requests
         self.read = read
         self.num_sent = 0
+        self.num_retried = 0  # sent again after the server's idle close crossed them (client.py)
 
     def open_slot(self) -> StreamSlot:
         return StreamSlot(self)
@@ -39,6 +40,7 @@ class StreamSlot:
         target = self.target
         raw = target.requests[target.num_sent % len(target.requests)]
         target.num_sent += 1
+        retried = self.connection.num_retried
         try:
             # The whole stream, not only its headers, must finish within the timeout.
             async with asyncio.timeout(timeout_s):
@@ -49,9 +51,12 @@ class StreamSlot:
         except BaseException:
             self.connection.close()  # a half-read stream leaves the connection out of step
             raise
+        finally:
+            target.num_retried += self.connection.num_retried - retried
 
     async def _exchange(self, raw: bytes) -> Outcome:
-        stream = await self.connection.stream(raw)
+        # A generation is safe to repeat before any byte of it came back: it changes nothing.
+        stream = await self.connection.stream(raw, retry_unanswered=True)
         outcome = Outcome(stream.status)
         if not outcome.ok:
             body = b"".join([c async for c in stream.chunks()])

@@ -1,5 +1,6 @@
 """The HTTP connection at the edge, before the ASGI app: request-head limits (431), slow-client
-timeouts (408), and the 503 a request still running when the drain timeout runs out receives.
+timeouts (408), the 503 a request still running when the drain timeout runs out receives, and
+idle closes that spare a request already arrived.
 
 uvicorn's httptools protocol (same parser, same uvloop) with these checks added; `protocol_with`
 binds the limits to a class that `uvicorn.Config(http=...)` accepts.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -22,6 +24,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 
 from fulcrum.errors import FulcrumError, HeadersTooLarge, RequestTimeout, Unavailable
+from fulcrum.pending_input import input_pending
 from fulcrum.server.http import error_body
 
 if TYPE_CHECKING:
@@ -217,16 +220,31 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         )
         await cycle.send({"type": "http.response.body", "body": body, "more_body": False})
 
+    def timeout_keep_alive_handler(self) -> None:
+        """The idle keep-alive timer: closes the connection, unless its next request is here."""
+        # The loop runs due timers before it reads the sockets: when it runs late (a busy
+        # machine, a long callback), the client's next request can already be waiting, unread,
+        # as this fires. Closing then resets the connection under a request the client sent
+        # before the timeout (issue 11: 3-32 requests a minute lost at 3x overload, load 4-9).
+        if input_pending(self.transport):  # data_received, in this same iteration, takes it
+            self.timeout_keep_alive_task = self._after(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return
+        self._close_idle()
+
     def _header_timed_out(self) -> None:
         self._header_timer = None
-        if self.flow.read_paused:  # the server stopped reading, not the client
+        # The server stopped reading, not the client; or the first byte is here, unread (as in
+        # timeout_keep_alive_handler).
+        if self.flow.read_paused or (self._head_bytes == 0 and input_pending(self.transport)):
             self._header_timer = self._after(self.limits.header_timeout_s, self._header_timed_out)
             return
         if self._head_bytes == 0:
             # Not one byte of a request: close quietly, as a keep-alive timeout does. An
             # unasked-for 408 could be read by a pooling client as the answer to its next request.
             self._discarding = True
-            self.transport.close()
+            self._close_idle()
             return
         seconds = self.limits.header_timeout_s
         self._refuse_head(RequestTimeout(f"request head not received within {seconds:g} s"))
@@ -278,6 +296,18 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.transport.write_eof()
         self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
+    def _close_idle(self) -> None:
+        """Close a connection between requests, the client told at once (our FIN sent now)."""
+        transport = self.transport
+        if transport.is_closing():
+            return
+        # transport.close() sends the FIN only after the loop's ready callbacks have run (ms on a
+        # busy server): meanwhile the client still sees an open connection, sends its next
+        # request on it, and gets a reset. Not with an answer still buffered: it would be cut.
+        if not transport.get_write_buffer_size():
+            _send_fin_now(transport)
+        transport.close()
+
     def _default_headers(self) -> list[tuple[bytes, bytes]]:
         return list(self.server_state.default_headers)
 
@@ -289,6 +319,19 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _after(self, delay_s: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
         return self.loop.call_later(delay_s, callback)
+
+
+def _send_fin_now(transport: asyncio.Transport) -> None:
+    """Half-close the transport's socket now (shutdown of its write side, through a duplicate:
+    transport sockets refuse shutdown); nothing if it has no socket or it is already gone."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    try:
+        with sock.dup() as duplicate:
+            duplicate.shutdown(socket.SHUT_WR)
+    except OSError:  # closed or reset under us: there is no one to tell
+        return
 
 
 def _error_bytes(
