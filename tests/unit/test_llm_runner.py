@@ -136,3 +136,21 @@ def test_kv_pool_is_sized_from_the_memory_budget(tiny_llama: LoadedLLM) -> None:
     assert num_blocks_for_budget(model, 16, 1.0, torch.float32) == 2**20 // per_block
     with pytest.raises(ConfigError, match="kv_cache_memory_mb"):
         num_blocks_for_budget(model, 16, 1e-6, torch.float32)
+
+
+def test_in_place_decode_block_tables_are_cut_and_padded_to_the_longest_context() -> None:
+    # Contexts 5, 9 and 2 in blocks of 4: 3 blocks wide. The first table holds a block past its
+    # context, the last one a single block: cut to 3 / padded with block 0.
+    meta = build_metadata(
+        [1, 1, 1],
+        [5, 9, 2],
+        [[4, 1, 6, 2], [7, 3, 5], [8]],
+        block_size=4,
+        device=CPU,
+        in_place_decode=True,
+    )
+    (group,) = meta.groups
+    assert group.block_tables.tolist() == [[4, 1, 6], [7, 3, 5], [8, 0, 0]]
+    assert group.context_lens.tolist() == [5, 9, 2]
+    assert group.row_range == (0, 3)
+    assert meta.slot_mapping.tolist() == [1 * 4 + 0, 5 * 4 + 0, 8 * 4 + 1]

@@ -632,3 +632,20 @@ def test_a_step_with_budget_left_schedules_every_running_sequence_after_preempti
     assert num_preempted > 0
     assert not h.scheduler.has_unfinished
     assert h.block_manager.num_free_blocks() == 7
+
+
+def test_decodes_take_a_block_only_when_their_last_one_is_full() -> None:
+    # Prompts of 3 and 4 tokens in blocks of 4: after the prefill step the first decode still
+    # fits its block, the second needs a new one; both run, and only the second's table grows.
+    h = make_harness(num_blocks=8, block_size=4)
+    room, full = make_seq(0, prompt_of(3), max_tokens=4), make_seq(1, prompt_of(4), max_tokens=4)
+    h.scheduler.add(room)
+    h.scheduler.add(full)
+    h.step()  # the prompts, one token sampled each
+    tables = (list(room.block_table), list(full.block_table))
+    batch, _ = h.step()
+    assert batch.seqs == [room, full]
+    assert batch.num_new_tokens == [1, 1]
+    assert room.block_table == tables[0]
+    assert full.block_table[:1] == tables[1] and len(full.block_table) == 2
+    assert h.block_manager.num_free_blocks() == 8 - 3

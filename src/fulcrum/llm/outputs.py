@@ -11,7 +11,9 @@ from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.sequence import Sequence
 
 
-@dataclass(frozen=True)
+# Usage and RequestOutput are built per running request per step: slotted and not frozen, as a
+# frozen dataclass's __init__ (object.__setattr__ per field) costs about 10x (0.3 vs 3 us).
+@dataclass(slots=True)
 class Usage:
     """Token counts of one request, as OpenAI's `usage` reports them."""
 
@@ -24,7 +26,7 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     """One step's increment of one request: new tokens and text; finish_reason when it ended."""
 
@@ -93,12 +95,14 @@ class RequestState:
     def output(self, finish_reason: str | None) -> RequestOutput:
         """The increment since the last output."""
         seq = self.seq
+        num_prompt = seq.num_prompt_tokens
+        num_output = len(seq.token_ids) - num_prompt  # runs per request per step: no properties
         # Slice token_ids directly: output_token_ids copies the whole output every step.
-        new_ids = seq.token_ids[seq.num_prompt_tokens + self.num_sent_tokens :]
+        new_ids = seq.token_ids[num_prompt + self.num_sent_tokens :]
         new_logprobs = seq.output_logprobs[self.num_sent_tokens :]
         first = self.num_sent_tokens == 0 and not self.sent_prompt_logprobs
         self.sent_prompt_logprobs = True
-        self.num_sent_tokens = seq.num_output_tokens
+        self.num_sent_tokens = num_output
         detokenizer = self.detokenizer
         text = "" if detokenizer is None else detokenizer.take(final=finish_reason is not None)
         return RequestOutput(
@@ -106,7 +110,7 @@ class RequestState:
             new_token_ids=new_ids,
             new_text=text,
             finish_reason=finish_reason,
-            usage=Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens),
+            usage=Usage(num_prompt, num_output, seq.num_cached_tokens),
             new_logprobs=new_logprobs,
             prompt_logprobs=seq.prompt_logprobs if first else None,
         )

@@ -15,6 +15,7 @@ from fulcrum.llm.models import CausalLM, decode_kernel
 from fulcrum.llm.models.attention import build_metadata, kv_cache_shape
 from fulcrum.llm.sampler import SampledToken, Sampler
 from fulcrum.llm.spec_verify import verify_drafts
+from fulcrum.llm.step_inputs import step_inputs
 
 if TYPE_CHECKING:
     from fulcrum.llm.models.attention import AttentionMetadata
@@ -87,30 +88,12 @@ class ModelRunner:
         ModelError for a sequence whose own row could not be sampled."""
         if batch.is_empty:
             return []
-        order = _step_order(batch)
-        seqs = [batch.seqs[i] for i in order]
-        query_lens = [batch.num_new_tokens[i] for i in order]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        context_lens: list[int] = []
-        sample_rows: list[int] = []  # index into the flat tokens of each sampling seq's last one
-        sampling: list[int] = []  # indices into batch.seqs of the sampling sequences
-        scored: list[tuple[Sequence, int, int]] = []  # wanting prompt logprobs: first row, count
-        for index, seq, num_new in zip(order, seqs, query_lens, strict=True):
-            start = seq.num_computed_tokens
-            end = start + num_new
-            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                scored.append((seq, len(input_ids), num_new))
-            input_ids.extend(_query_tokens(seq, start, end))
-            positions.extend(range(start, end))
-            context_lens.append(end)
-            num_drafts = len(seq.spec_token_ids)
-            if end == seq.num_tokens + num_drafts:  # the row of its last token
-                sample_rows.append(len(input_ids) - num_drafts - 1)
-                sampling.append(index)
+        inputs = step_inputs(batch)
+        seqs, query_lens = inputs.seqs, inputs.query_lens
+        sample_rows, sampling = inputs.sample_rows, inputs.sampling
         meta = build_metadata(
             query_lens,
-            context_lens,
+            inputs.context_lens,
             [seq.block_table for seq in seqs],
             self.block_size,
             self.device,
@@ -120,21 +103,23 @@ class ModelRunner:
             in_place_queries=self._in_place_queries(seqs),
         )
         # Via numpy: torch.tensor converts a Python list element by element, about 4x slower.
-        ids = torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(self.device)
-        pos = torch.from_numpy(np.array(positions, dtype=np.int64)).to(self.device)
+        ids = torch.from_numpy(np.array(inputs.input_ids, dtype=np.int64)).to(self.device)
+        pos = torch.from_numpy(np.array(inputs.positions, dtype=np.int64)).to(self.device)
         verifying = _split_verifying(batch, sampling, sample_rows)
-        pending = self._start_masks([batch.seqs[i] for i in sorted(sampling)])
+        # Sample in batch order, so unseeded requests draw from the shared generator as before.
+        pairs = sorted(zip(sampling, sample_rows, strict=True))
+        sampled_seqs = [batch.seqs[i] for i, _ in pairs]
+        pending = self._start_masks(sampled_seqs)
         hidden = self._forward(ids, pos, meta, pending)  # (T, C)
-        for seq, first_row, num_new in scored:
+        for seq, first_row, num_new in inputs.scored:
             self._score_prompt(seq, hidden, first_row, num_new)
         sampled: list[Sampled] = [None] * len(batch.seqs)
         self._verify(hidden, batch, verifying, sampled)
         if not sampling:
             return sampled
-        # Sample in batch order, so unseeded requests draw from the shared generator as before.
-        pairs = sorted(zip(sampling, sample_rows, strict=True))
-        logits = self.model.compute_logits(hidden[[row for _, row in pairs]])  # (S, V)
-        tokens = self._sample_structured(logits, [batch.seqs[i] for i, _ in pairs], pending)
+        rows = torch.from_numpy(np.array([row for _, row in pairs], dtype=np.int64))
+        logits = self.model.compute_logits(hidden[rows.to(hidden.device)])  # (S, V)
+        tokens = self._sample_structured(logits, sampled_seqs, pending)
         for (index, _), token in zip(pairs, tokens, strict=True):
             if isinstance(token, SampledToken):
                 if token.logprob is not None:
@@ -295,34 +280,3 @@ def _split_verifying(
         sampling[:] = [i for i, _ in kept]
         sample_rows[:] = [row for _, row in kept]
     return verifying
-
-
-def _query_tokens(seq: Sequence, start: int, end: int) -> list[int]:
-    """The tokens seq computes this step: with drafts, its last token and the drafts after it
-    (scored like a prefill chunk over its KV), else token_ids[start:end]."""
-    if seq.spec_token_ids:
-        return [*seq.token_ids[start:], *seq.spec_token_ids]
-    return seq.token_ids[start:end]
-
-
-def _step_order(batch: ScheduledBatch) -> list[int]:
-    """Step row order: decodes (longest context first), decodes verifying drafts, fresh chunks
-    (longest first), then continued chunks."""
-    # Attention groups sequences the same way (`build_metadata(split_chunks=True)`, in-place
-    # decodes and verifications first), so in this order every group's tokens are one
-    # contiguous range of rows (sliced, not gathered). Each token's result depends only on its
-    # own sequence's tokens, wherever its row sits.
-    decodes: list[int] = []
-    verifying: list[int] = []
-    fresh: list[int] = []
-    continued: list[int] = []
-    for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-        if num_new == 1:
-            decodes.append(i)
-        elif seq.spec_token_ids:
-            verifying.append(i)
-        else:
-            (continued if seq.num_computed_tokens else fresh).append(i)
-    decodes.sort(key=lambda i: -batch.seqs[i].num_computed_tokens)
-    fresh.sort(key=lambda i: -batch.num_new_tokens[i])
-    return decodes + verifying + fresh + continued

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from fulcrum.llm.structured import GrammarMasks
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # one per sampled row per step: a frozen __init__ costs several times more
 class SampledToken:
     """A drawn token and, when its request asked for them, its logprobs."""
 

@@ -256,6 +256,7 @@ class Scheduler:
         # the running sequences); it is summed again only after a preemption shrank the batch.
         budget = self._budget_left(batch)
         running = SequenceStatus.RUNNING
+        block_size = self.block_manager.block_size
         for seq in list(self._running):
             if budget < 1:
                 break
@@ -268,6 +269,11 @@ class Scheduler:
                 budget = self._budget_left(batch)
                 continue
             num_new_tokens = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            # Most decodes still have room in their last block: no allocation to ask for.
+            if seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * block_size:
+                batch.add(seq, num_new_tokens)
+                budget -= num_new_tokens
+                continue
             num_preempted = len(batch.preempted)
             if self._reserve(seq, num_new_tokens, batch):
                 batch.add(seq, num_new_tokens)

@@ -21,6 +21,11 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# An enum member read through its class costs about 0.25 us in Python 3.11 (EnumType lookup),
+# and is_finished is read per sequence per step.
+_FINISHED = SequenceStatus.FINISHED
+
+
 class FinishReason(enum.Enum):
     """Why a sequence stopped; the values are OpenAI's `finish_reason` strings."""
 
@@ -99,7 +104,7 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         """True once the sequence stopped for any reason."""
-        return self.status is SequenceStatus.FINISHED
+        return self.status is _FINISHED
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

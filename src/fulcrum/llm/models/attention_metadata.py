@@ -154,7 +154,7 @@ def _build(layout: StepLayout, window: int) -> AttentionMetadata:
     row_starts = [0, *itertools.accumulate(query_lens)]
     groups: list[AttentionGroup] = []
     if layout.in_place_decode:
-        in_place = [i for i in range(len(query_lens)) if _in_place(layout, i)]
+        in_place = _in_place_members(layout)
         if in_place:
             groups.append(_in_place_group(in_place, layout, row_starts, window))
         taken = set(in_place)
@@ -180,20 +180,31 @@ def _build(layout: StepLayout, window: int) -> AttentionMetadata:
     )
 
 
-def _in_place(layout: StepLayout, i: int) -> bool:
-    """True when sequence i's queries are attended in place: a decode, or a short chunk that
-    continues its sequence (a decode verifying drafts)."""
-    q_len = layout.query_lens[i]
-    return q_len == 1 or (q_len <= layout.in_place_queries and q_len < layout.context_lens[i])
+def _in_place_members(layout: StepLayout) -> list[int]:
+    """The sequences whose queries are attended in place: decodes, and short chunks that
+    continue their sequence (decodes verifying drafts)."""
+    # One comprehension, not a call per sequence: this runs for every sequence every step.
+    max_q = layout.in_place_queries
+    return [
+        i
+        for i, (q_len, ctx_len) in enumerate(
+            zip(layout.query_lens, layout.context_lens, strict=True)
+        )
+        if q_len == 1 or (q_len <= max_q and q_len < ctx_len)
+    ]
 
 
 def _slots(layout: StepLayout) -> list[int]:
     """The cache slot of each new token, in step order."""
     block_size = layout.block_size
+    query_lens, context_lens, tables = layout.query_lens, layout.context_lens, layout.block_tables
+    if all(q_len == 1 for q_len in query_lens):  # a decode-only step: one slot per sequence
+        return [
+            table[(ctx_len - 1) // block_size] * block_size + (ctx_len - 1) % block_size
+            for ctx_len, table in zip(context_lens, tables, strict=True)
+        ]
     slots: list[int] = []
-    for q_len, ctx_len, table in zip(
-        layout.query_lens, layout.context_lens, layout.block_tables, strict=True
-    ):
+    for q_len, ctx_len, table in zip(query_lens, context_lens, tables, strict=True):
         if q_len == 1:  # most tokens of a step are decodes: skip the per-block loop
             pos = ctx_len - 1
             slots.append(table[pos // block_size] * block_size + pos % block_size)
@@ -208,12 +219,17 @@ def _in_place_group(
     """One group for `decode_kernel.paged_decode`: a decode row per query of each member (query
     j of a q-query chunk over context L sees the first L - q + 1 + j keys)."""
     block_size, device = layout.block_size, layout.device
+    query_lens, context_lens = layout.query_lens, layout.context_lens
     tables: list[list[int]] = []
     lens: list[int] = []
-    for i in members:
-        q_len, ctx_len = layout.query_lens[i], layout.context_lens[i]
-        tables += [layout.block_tables[i]] * q_len
-        lens += range(ctx_len - q_len + 1, ctx_len + 1)
+    if all(query_lens[i] == 1 for i in members):  # decodes only: a row each
+        tables = [layout.block_tables[i] for i in members]
+        lens = [context_lens[i] for i in members]
+    else:
+        for i in members:
+            q_len, ctx_len = query_lens[i], context_lens[i]
+            tables += [layout.block_tables[i]] * q_len
+            lens += range(ctx_len - q_len + 1, ctx_len + 1)
     skip = None
     if window > 0 and max(lens) > window:  # read from each window's first block on
         first = [max(0, n - window) // block_size for n in lens]
@@ -221,13 +237,12 @@ def _in_place_group(
         skip = [max(0, n - window) - f * block_size for n, f in zip(lens, first, strict=True)]
         lens = [n - f * block_size for n, f in zip(lens, first, strict=True)]
     num_blocks = -(-max(lens) // block_size)
-    padding = [0] * num_blocks
     token_rows, row_range = _rows(members, layout.query_lens, row_starts, device)
     return AttentionGroup(
         token_rows=token_rows,
         row_range=row_range,
         token_index=None,
-        block_tables=_int_tensor([(table + padding)[:num_blocks] for table in tables], device),
+        block_tables=_padded_tables(tables, num_blocks, device),
         mask=None,
         attn_bias=None,
         num_seqs=len(lens),
@@ -237,12 +252,33 @@ def _in_place_group(
     )
 
 
+def _padded_tables(tables: list[list[int]], num_blocks: int, device: torch.device) -> torch.Tensor:
+    """(B, num_blocks) int64: each table cut or padded with block 0 to num_blocks (padding is
+    never read: a row reads only its own context's blocks)."""
+    lens = list(map(len, tables))
+    if max(lens) > num_blocks:  # a table longer than the group reads (drafts' blocks): cut
+        tables = [table[:num_blocks] for table in tables]
+        lens = list(map(len, tables))
+    # All blocks flat, scattered into a zeroed matrix (a boolean mask fills in row-major
+    # order): about half the cost of padding a Python list per row and converting those.
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=sum(lens))
+    out = np.zeros((len(tables), num_blocks), dtype=np.int64)
+    out[np.arange(num_blocks)[None, :] < np.array(lens, dtype=np.int64)[:, None]] = flat
+    return torch.from_numpy(out).to(device)
+
+
 def _rows(
     members: list[int], query_lens: list[int], row_starts: list[int], device: torch.device
 ) -> tuple[torch.Tensor, tuple[int, int] | None]:
     """The step rows of the members' tokens, and their (start, end) when that is one range."""
     first_row, num_rows = row_starts[members[0]], sum(query_lens[i] for i in members)
-    # Contiguous when each member's rows start where the previous member's end.
+    # Contiguous when each member's rows start where the previous member's end: so when the
+    # members are consecutive sequences (the common case, checked in O(1)), or else pairwise.
+    if members[-1] - members[0] == len(members) - 1 and members == sorted(members):
+        return torch.arange(first_row, first_row + num_rows, device=device), (
+            first_row,
+            first_row + num_rows,
+        )
     if all(row_starts[i] + query_lens[i] == row_starts[j] for i, j in itertools.pairwise(members)):
         return torch.arange(first_row, first_row + num_rows, device=device), (
             first_row,
