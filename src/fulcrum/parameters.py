@@ -34,7 +34,8 @@ class OnnxParameters(_Params, frozen=True):
     allow_spinning: bool = False
     spin_between_runs: bool = False  # False: pool threads stop spinning when a run returns
     spin_when_idle: bool = False  # True: a second, spinning session runs lone batches when sparse
-    spin_idle_gap_ms: NonNegFloat = 50.0  # ... while the mean gap between runs is at least this
+    # ... while the instance idles at least this long between runs (smoothed; end to start)
+    spin_idle_gap_ms: NonNegFloat = 50.0
     # > 0: ORT's parallel-for splits work into shrinking blocks handed out as threads come free
     # (`session.dynamic_block_base`), so one preempted pool thread stalls less of a run. 0: static.
     dynamic_block_base: NonNegInt = 0

@@ -247,6 +247,18 @@ class FakeClock:
         return self.now_s
 
 
+class TimedSession(RecordingSession):
+    """A RecordingSession whose every run takes `run_s` on a fake clock."""
+
+    def __init__(self, real: ort.InferenceSession, clock: FakeClock, run_s: float) -> None:
+        super().__init__(real)
+        self.clock, self.run_s = clock, run_s
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.clock.now_s += self.run_s
+        return super().run(names, feeds)
+
+
 def test_spin_when_idle_runs_lone_batches_on_a_second_spinning_session(
     version_dir: Path,
 ) -> None:
@@ -317,10 +329,110 @@ def test_lone_batches_take_the_spinning_session_only_while_runs_are_sparse(
     for _ in range(20):  # 100 runs a second, each alone: load, no spinning session
         clock.now_s += 0.01
         backend.execute_lone(batch())
-    assert backend.mean_gap_s < 0.05
+    assert backend.gaps.mean_gap_s < 0.05
     assert lone.num_runs - 4 <= 7 and shared.num_runs >= 13  # within 7 runs of the load
     before = lone.num_runs
     for _ in range(20):  # sparse again: back to the spinning session
         clock.now_s += 0.5
         backend.execute_lone(batch())
     assert lone.num_runs - before >= 15
+
+
+def test_long_lone_batches_back_to_back_stay_off_the_spinning_session(version_dir: Path) -> None:
+    # Under load a batch starts as the last one ends: 60 ms from start to start is more than
+    # spin_idle_gap_ms, but the instance never idles, and a spinning pool would take the cores
+    # the next batch needs for ~45 ms after each of its runs.
+    backend = OnnxBackend(make_config(spin_when_idle=True, spin_idle_gap_ms=50), version_dir)
+    assert backend.lone_session is not None
+    clock = FakeClock()
+    backend.clock = clock
+    shared = TimedSession(backend.session, clock, run_s=0.060)
+    lone = TimedSession(backend.lone_session, clock, run_s=0.060)
+    backend.session, backend.lone_session = shared, lone  # type: ignore[assignment]
+    backend.lone_choice.per_row_s = [0.005, 0.008]  # spinning measured faster
+    backend.lone_choice.explore_every = 1000
+    backend.execute(batch())  # the first run, after an idle machine
+    for _ in range(40):
+        clock.now_s += 0.0005  # the next batch starts half a millisecond after the last ends
+        backend.execute_lone(batch())
+    assert lone.num_runs <= 9  # only while the idle before the first run still counts
+    assert shared.num_runs >= 32
+    before = lone.num_runs
+    for _ in range(10):
+        clock.now_s += 0.0005
+        backend.execute_lone(batch())
+    assert lone.num_runs == before  # from then on, never
+
+
+def write_embedding_graph(path: Path) -> np.ndarray:
+    """ids (int64 [B, T]) -> emb = Gather(table, ids) (B, T, 64) -> out = emb @ proj (B, T, 64).
+    Returns the table: 1024 x 64 floats (256 KiB), read only by the Gather."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((1024, 64)).astype(np.float32)
+    proj = rng.standard_normal((64, 256)).astype(np.float32)[:, :64].copy()
+    nodes = [
+        oh.make_node("Gather", ["table", "ids"], ["emb"]),
+        oh.make_node("MatMul", ["emb", "proj"], ["out"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "embed",
+        [oh.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["B", "T"])],
+        [
+            oh.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["B", "T", 64]),
+            oh.make_tensor_value_info("emb", onnx.TensorProto.FLOAT, ["B", "T", 64]),
+        ],
+        initializer=[
+            onnx.numpy_helper.from_array(table, "table"),
+            onnx.numpy_helper.from_array(proj, "proj"),
+        ],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return table
+
+
+def embedding_config(**parameters: ParamValue) -> ModelConfig:
+    return ModelConfig(
+        name="embed",
+        platform="onnx",
+        max_batch_size=8,
+        inputs=(TensorSpec(name="ids", datatype="INT64", shape=(-1,)),),
+        outputs=(
+            TensorSpec(name="out", datatype="FP32", shape=(-1, 64)),
+            TensorSpec(name="emb", datatype="FP32", shape=(-1, 64)),
+        ),
+        parameters=dict(parameters),
+    )
+
+
+def test_both_sessions_read_the_embedding_table_from_one_buffer(tmp_path: Path) -> None:
+    table = write_embedding_graph(tmp_path / "model.onnx")
+    backend = OnnxBackend(embedding_config(spin_when_idle=True), tmp_path)
+    assert backend.lone_session is not None
+    # The table, read only by a Gather, is shared; the MatMul's weight, which ORT pre-packs
+    # into a copy of each session's own, is not.
+    assert list(backend.shared_weights) == ["table"]
+    buffer = backend.shared_weights["table"].numpy()
+    assert buffer.nbytes == table.nbytes and np.array_equal(buffer, table)
+    ids = {"ids": np.array([[3, 7, 1000]], dtype=np.int64)}
+    plain = backend._execute(backend.session, ids)
+    lone = backend._execute(backend.lone_session, ids)
+    for name in ("out", "emb"):
+        assert np.array_equal(plain[name], lone[name])  # bitwise: same weights, same kernels
+    # Writing to the one buffer changes what both sessions read: neither holds a copy.
+    buffer[7] = 42.0
+    for session in (backend.session, backend.lone_session):
+        emb = backend._execute(session, ids)["emb"]
+        assert np.all(emb[0, 1] == 42.0) and np.array_equal(emb[0, 0], table[3])
+    backend.close()
+    assert backend.shared_weights == {}
+
+
+def test_without_spin_when_idle_ort_loads_every_weight_itself(tmp_path: Path) -> None:
+    write_embedding_graph(tmp_path / "model.onnx")
+    backend = OnnxBackend(embedding_config(), tmp_path)
+    assert backend.shared_weights == {}
+    out = backend.execute({"ids": np.array([[1, 2]], dtype=np.int64)})
+    assert out["out"].shape == (1, 2, 64)

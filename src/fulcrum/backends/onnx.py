@@ -3,12 +3,12 @@
 When the config has a `[tokenizer]`, its BYTES input is turned into token tensors first, and
 with `length_bucket_rows = N` a batch is sorted by token length and run in chunks of N rows,
 each padded only to its own longest row. With `spin_when_idle = true` a second session, whose
-pool threads spin (ORT's own default), runs the batches that run alone while runs are sparse.
+pool threads spin (ORT's own default), runs the batches that run alone while runs are sparse;
+the two sessions share the model's embedding tables (one copy in memory, not two).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -17,6 +17,8 @@ import onnxruntime as ort
 
 from fulcrum.backends.casting import cast_to
 from fulcrum.backends.faster_of_two import FIRST, FasterOfTwo
+from fulcrum.backends.idle_gaps import IdleGaps
+from fulcrum.backends.onnx_weights import shared_weights
 from fulcrum.backends.params import version_file
 from fulcrum.backends.text import TextFrontEnd
 from fulcrum.config import ModelConfig
@@ -48,10 +50,6 @@ _ORT_TYPES: dict[str, np.dtype[np.generic]] = {
         ("string", np.object_),
     ]
 }
-
-
-# Weight of the newest gap in the mean gap between an instance's runs.
-GAP_WEIGHT = 0.25
 
 
 def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.SessionOptions:
@@ -109,7 +107,14 @@ class OnnxBackend:
             raise ConfigError(f"model {config.name!r}: no model file {path}")
         providers = execution_providers(params)
         self.name = config.name
-        self.session = _load(config.name, path, session_options(params), providers)
+        # With a second session, the tables both read in place are loaded once, here, and
+        # handed to both (`add_initializer`: ORT uses the caller's buffer, no copy); kept alive
+        # as long as the sessions by this attribute. On a GPU each session copies them anyway.
+        self.shared_weights: dict[str, ort.OrtValue] = {}
+        if params.spin_when_idle and providers == ["CPUExecutionProvider"]:
+            self.shared_weights = _ort_values(path)
+        options = self._sharing(session_options(params))
+        self.session = _load(config.name, path, options, providers)
         # Spinning pool threads answer an isolated call sooner (no sleeping worker to wake) and
         # cost the cores anything else needs, the event loop included, for a while after each
         # run. ORT has no per-run switch (a pool keeps what it was built with), hence a second
@@ -117,12 +122,10 @@ class OnnxBackend:
         # only while it is measured faster (where other processes hold the cores it is not).
         self.lone_session: ort.InferenceSession | None = None
         self.lone_choice = FasterOfTwo()  # FIRST: the spinning session, SECOND: the other
-        self.idle_gap_s = params.spin_idle_gap_ms / 1000
+        self.gaps = IdleGaps(params.spin_idle_gap_ms / 1000)
         self.clock = time.perf_counter
-        self._last_run_s = -math.inf
-        self.mean_gap_s = math.inf  # between this instance's runs, smoothed
         if params.spin_when_idle:
-            lone = session_options(params, lone=True)
+            lone = self._sharing(session_options(params, lone=True))
             self.lone_session = _load(config.name, path, lone, providers)
         self.front = TextFrontEnd(config.tokenizer, version_dir) if config.tokenizer else None
         self.graph_types = {i.name: _ort_dtype(i.type, i.name) for i in self.session.get_inputs()}
@@ -134,6 +137,11 @@ class OnnxBackend:
                 f"parameter 'length_bucket_rows' = {self.bucket_rows}: needs a [tokenizer] and "
                 "outputs without dynamic axes"
             )
+
+    def _sharing(self, options: ort.SessionOptions) -> ort.SessionOptions:
+        for name, value in self.shared_weights.items():
+            options.add_initializer(name, value)
+        return options
 
     def _check_inputs(self, config: ModelConfig) -> None:
         provided = {spec.name for spec in config.inputs}
@@ -164,33 +172,29 @@ class OnnxBackend:
 
     def execute(self, inputs: TensorMap) -> TensorMap:
         """Run one batch; ONNX Runtime releases the GIL while it computes."""
-        self._note_run()
-        return self._execute(self.session, inputs)
+        self.gaps.start(self.clock())
+        try:
+            return self._execute(self.session, inputs)
+        finally:
+            self.gaps.end(self.clock())
 
     def execute_lone(self, inputs: TensorMap) -> TensorMap:
         """Run a batch that nothing else waits or runs beside: on the spinning session while
         runs are sparse and it is measured faster than the other (tried every few lone runs)."""
-        sparse = self._note_run()
-        if self.lone_session is None or not sparse:
-            return self._execute(self.session, inputs)
-        choice = self.lone_choice.pick()
-        session = self.lone_session if choice == FIRST else self.session
         start_s = self.clock()
-        outputs = self._execute(session, inputs)
-        self.lone_choice.observe(choice, self.clock() - start_s, _num_rows(inputs))
+        sparse = self.gaps.start(start_s)
+        session, choice = self.session, None
+        if self.lone_session is not None and sparse:
+            choice = self.lone_choice.pick()
+            session = self.lone_session if choice == FIRST else self.session
+        try:
+            outputs = self._execute(session, inputs)
+        finally:
+            end_s = self.clock()
+            self.gaps.end(end_s)
+        if choice is not None:
+            self.lone_choice.observe(choice, end_s - start_s, _num_rows(inputs))
         return outputs
-
-    def _note_run(self) -> bool:
-        """Fold this run into the mean gap between runs; whether runs are sparse."""
-        now = self.clock()
-        # A long idle counts as ten sparse gaps: load that then begins is seen within a few runs.
-        gap_s = min(now - self._last_run_s, 10 * self.idle_gap_s)
-        self._last_run_s = now
-        if math.isinf(self.mean_gap_s):
-            self.mean_gap_s = gap_s
-        else:
-            self.mean_gap_s += GAP_WEIGHT * (gap_s - self.mean_gap_s)
-        return self.mean_gap_s >= self.idle_gap_s
 
     def _execute(self, session: ort.InferenceSession, inputs: TensorMap) -> TensorMap:
         feeds = self._feeds(inputs)
@@ -250,6 +254,7 @@ class OnnxBackend:
         # ORT frees the session when the last reference goes; drop ours now.
         self.__dict__.pop("session", None)
         self.lone_session = None
+        self.shared_weights = {}
 
 
 def _load(
@@ -259,6 +264,17 @@ def _load(
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as exc:  # ORT raises its own untyped errors for a bad graph
         raise ModelError(f"model {name!r}: cannot load {path}: {exc}") from exc
+
+
+def _ort_values(path: Path) -> dict[str, ort.OrtValue]:
+    """The model's shareable tables as OrtValues over arrays of our own (see onnx_weights); none
+    when the file does not parse: ORT then loads every weight itself, or names what is wrong."""
+    try:
+        arrays = shared_weights(path)
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return {}
+    # An OrtValue made from an array on the CPU refers to the array's buffer and holds the array.
+    return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
 
 
 def _num_rows(feeds: TensorMap) -> int:

@@ -1,0 +1,41 @@
+"""Whether an instance's runs are sparse: the smoothed idle time between one run and the next.
+
+The idle time is from the end of a run to the start of the next, not start to start: under load
+a run starts as soon as the last one ends, however long each takes, so long batches back to
+back read as load (start-to-start gaps as long as the batches would read as light load).
+"""
+
+from __future__ import annotations
+
+import math
+
+# Weight of the newest idle gap in the mean.
+GAP_WEIGHT = 0.25
+# A long idle counts as this many sparse gaps, so load that then begins is seen within a few runs.
+MAX_GAP_FACTOR = 10
+
+
+class IdleGaps:
+    """Smoothed idle seconds between runs; `start(now)` says whether runs are sparse.
+
+    Pure: the caller passes its clock's readings (`perf_counter` in the backend, a fake in
+    tests). Not thread-safe: one instance's runs are on its one thread.
+    """
+
+    def __init__(self, min_gap_s: float) -> None:
+        self.min_gap_s = min_gap_s  # sparse: a mean idle gap of at least this
+        self.mean_gap_s = math.inf  # none yet
+        self._last_end_s = -math.inf
+
+    def start(self, now_s: float) -> bool:
+        """A run starts: fold the idle gap since the last run's end; whether runs are sparse."""
+        gap_s = min(max(0.0, now_s - self._last_end_s), MAX_GAP_FACTOR * self.min_gap_s)
+        if math.isinf(self.mean_gap_s):
+            self.mean_gap_s = gap_s
+        else:
+            self.mean_gap_s += GAP_WEIGHT * (gap_s - self.mean_gap_s)
+        return self.mean_gap_s >= self.min_gap_s
+
+    def end(self, now_s: float) -> None:
+        """The run that started last has ended."""
+        self._last_end_s = now_s
