@@ -1,20 +1,21 @@
 """Both ends of the load range (`adaptive_vs_static.py --ends`): Fulcrum beside the simplest
 server a user could write, in one run, open loop.
 
-Servers, all up at once on 127.0.0.1 and measured in turn, interleaved per rate and repeat with
-the same arrival times: `fulcrum serve --model minilm` with the shipped config; the same with
-`policy = "adaptive"` (a second server on a copy of the repository; skipped when the key does not
-load); any `--variant NAME:KEY=VALUE,...` (more copies, e.g. `spin:parameters.allow_spinning=
-true` to see what one setting contributes); and memory_at_rest.py's bare FastAPI + ONNX Runtime
-app, here with ONNX Runtime's default session options (threads = cores, spinning on).
+Servers, all up at once on 127.0.0.1 and measured in turn, interleaved per rate and repeat with the
+same arrival times: `fulcrum serve --model minilm` with the shipped config (minilm ships `policy =
+"adaptive"`); the same under Triton's batching rules (`policy = "triton"`, a second server on a
+copy of the repository); any `--variant NAME:KEY=VALUE,...` (more copies, e.g.
+`spin:parameters.allow_spinning=true` to see what one setting contributes); and
+memory_at_rest.py's bare FastAPI + ONNX Runtime app, here with ONNX Runtime's default session
+options (threads = cores, spinning on).
 
-Light load: Poisson at 2, 5 and 10 requests/s, P50 and P99, each --light-repeats times. Mid
-load: 50% and 80% of the shipped config's closed-loop capacity, each repeated --repeats times (P99
-of each and their spread). Then the highest Poisson rate whose P99 (a failure counting as late)
-is <= the SLO, by the load generator's bisection (`max_rate_under`), for each server, in turn,
---search-repeats times. Every repeat runs all servers before the next repeat starts, so a drift
-of the shared machine reaches every server alike. Last, each server's CPU seconds over --idle-s
-seconds with no requests (all servers idle at once).
+Light load: Poisson at 2, 5 and 10 requests/s, P50 and P99, each --light-repeats times. Mid load:
+50% and 80% of the capacity under Triton's rules (the adaptive policy's 503s would lower it), each
+repeated --repeats times (P99 of each and their spread). Then the highest Poisson rate whose P99 (a
+failure counting as late) is <= the SLO, by the load generator's bisection (`max_rate_under`), for
+each server, in turn, --search-repeats times. Every repeat runs all servers before the next repeat
+starts, so a drift of the shared machine reaches every server alike. Last, each server's CPU
+seconds over --idle-s seconds with no requests (all servers idle at once).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 from corpus import sentences
 from health_under_flood import serving
-from load_trace import reload
 from memory_at_rest import BASELINE
 from memory_at_rest import server as bare_server
 from serving_efficiency import apply_overrides
@@ -53,6 +53,7 @@ TUNED_ORT = """options.intra_op_num_threads = 2
 options.add_session_config_entry("session.intra_op.allow_spinning", "0")
 options.add_session_config_entry("session.inter_op.allow_spinning", "0")
 """
+TRITON = "fulcrum triton"  # the shipped config under Triton's batching rules
 BARE = "bare FastAPI + ORT (defaults)"
 
 
@@ -68,7 +69,7 @@ def add_ends_args(parser: argparse.ArgumentParser) -> None:
     add("--light-repeats", type=int, default=1, help="repeats of each light-load rate")
     add("--search-repeats", type=int, default=1, help="repeats of the max-rate search")
     add("--search-start", type=float, help="the search's first rate (default: half capacity)")
-    add("--capacity", type=float, help="the shipped config's capacity, req/s (default: measured)")
+    add("--capacity", type=float, help="capacity, req/s (default: measured, Triton's rules)")
     add("--idle-s", type=float, default=30.0, help="seconds of idle CPU measured (0: skip)")
     add("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
         help="one more Fulcrum server with these config.toml overrides")  # fmt: skip
@@ -118,24 +119,15 @@ def copy_with(repo: Path, dest: Path, assignments: list[str]) -> Path:
 
 @contextmanager
 def servers(repo: Path, args: argparse.Namespace) -> Iterator[list[Server]]:
-    from adaptive_vs_static import adaptive_loads, v2_requests
+    from adaptive_vs_static import v2_requests
 
     texts = sentences(256, args.words, seed=1)
     logs = args.out
     with ExitStack() as stack:
         url, _ = stack.enter_context(serving(repo, args.src.resolve(), logs / "shipped.log"))
         out = [Server("fulcrum shipped", url, v2_requests(url, 256, args.words))]
-        why_not = adaptive_loads(url, args.slo_ms, args.profile)
-        reload(url, "minilm", None)
-        variants = [v.split(":", 1) for v in args.variant]
-        if why_not is None:
-            batching = ['dynamic_batching.policy="adaptive"',
-                        f"dynamic_batching.slo_p99_ms={args.slo_ms}"]  # fmt: skip
-            if args.profile:
-                batching.append(f'dynamic_batching.profile="{args.profile}"')
-            variants.insert(0, ["fulcrum adaptive", ",".join(batching)])
-        else:
-            print(f"adaptive does not load; measured without it: {why_not}", flush=True)
+        variants = [[TRITON, 'dynamic_batching.policy="triton"']]
+        variants += [v.split(":", 1) for v in args.variant]
         for i, (name, assignments) in enumerate(variants):
             copy = copy_with(repo, args.out / f"repo{i}", assignments.split(","))
             url, _ = stack.enter_context(serving(copy, args.src.resolve(), logs / f"v{i}.log"))
@@ -179,15 +171,15 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
     light = [float(r) for r in args.light_rates.split(",")]
     mid = [float(f) for f in args.mid.split(",")]
     with servers(repo, args) as all_servers:
-        shipped = all_servers[0]
-        target = V2Target(Endpoint.from_url(shipped.url), shipped.requests)
+        basis = next(s for s in all_servers if s.name == TRITON)  # capacity without 503s
+        target = V2Target(Endpoint.from_url(basis.url), basis.requests)
         if args.capacity:
             capacity = args.capacity
-            print(f"capacity of the shipped config: {capacity:.1f} req/s (given)", flush=True)
+            print(f"capacity: {capacity:.1f} req/s (given)", flush=True)
         else:
-            closed = max(capacity_rps(shipped.url, target, args.capacity_s) for _ in range(2))
-            capacity = run_async(open_loop_capacity(target, shipped.url, "minilm", closed))
-            print(f"capacity of the shipped config: {capacity:.1f} req/s open loop "
+            closed = max(capacity_rps(basis.url, target, args.capacity_s) for _ in range(2))
+            capacity = run_async(open_loop_capacity(target, basis.url, "minilm", closed))
+            print(f"capacity under Triton's rules: {capacity:.1f} req/s open loop "
                   f"({closed:.1f} closed loop)", flush=True)  # fmt: skip
             # On a machine loaded by others no open-loop rate may hold: the mid-load rates are
             # then fractions of the closed-loop one rather than of nothing.
