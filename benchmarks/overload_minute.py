@@ -3,16 +3,17 @@
     .venv/bin/python benchmarks/overload_minute.py [--factor 3] [--seconds 60] [--slo-ms 100]
         [--configs shipped,adaptive,triton] [--out /tmp/overload] [--compute-nice 0,2,5 --repeats 2]
 
-One `fulcrum serve --model minilm` process. Capacity is measured open loop, as the overload is
-sent: Poisson steps from 0.2x to 1.4x the closed-loop rate (32 clients), and capacity is the
-highest rate whose step answered at least 99% of its requests, all within 1 s. Then, per config
-(the shipped one; `policy = "adaptive"` with the SLO; `triton`: Triton's rules; each loaded by a
-reload override and warmed 5 s at 30%): `--factor` x capacity, Poisson, for `--seconds`, while a
-prober process GETs /v2/health/live and /ready 20 times a second on its own connection, and the
-server's RSS is sampled. Printed per config, in the issue's terms: goodput (answers within the SLO
-per second) as a share of capacity, the admitted P99, how many got 503 and how fast, client
-timeouts and other errors (nothing may be lost: offered = answered + 503 + the rest), health P99,
-and RSS before, at the peak and 10 s after the load stopped. Figures also go to --out as JSON.
+One `fulcrum serve --model minilm` process. Capacity (under Triton's rules, which refuse nothing
+before the queue is full) is measured open loop, as the overload is sent: Poisson steps from 0.2x
+to 1.4x the closed-loop rate (32 clients), and capacity is the highest rate whose step answered at
+least 99% of its requests, all within 1 s. Then, per config (the shipped one; `policy = "adaptive"`
+with the SLO; `triton`: Triton's rules; each loaded by a reload override and warmed 5 s at 30%):
+`--factor` x capacity, Poisson, for `--seconds`, while a prober process GETs /v2/health/live and
+/ready 20 times a second on its own connection, and the server's RSS is sampled. Printed per
+config, in the issue's terms: goodput (answers within the SLO per second) as a share of capacity,
+the admitted P99, how many got 503 and how fast, client timeouts and other errors (nothing may be
+lost: offered = answered + 503 + the rest), health P99, and RSS before, at the peak and 10 s after
+the load stopped. Figures also go to --out as JSON.
 With several `--compute-nice` values, each gets its own server (`fulcrum serve --compute-nice N`),
 interleaved round after round for `--repeats` rounds, all at the capacity measured first.
 """
@@ -326,8 +327,14 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
     )  # fmt: skip
 
 
+# The file's config under Triton's batching rules (minilm ships the adaptive policy).
+TRITON: dict[str, object] = {"dynamic_batching": {"policy": "triton"}}
+
+
 def measure_capacity(url: str, target: V2Target) -> tuple[float, float]:
-    """(closed-loop, open-loop) capacity in req/s of the server at `url`."""
+    """(closed-loop, open-loop) capacity in req/s of the server at `url`, its model under
+    Triton's rules: an adaptive policy's 503s would count as requests it cannot carry."""
+    reload(url, MODEL, TRITON)
     closed = max(capacity_rps(url, target, 5.0) for _ in range(2))
     print(f"closed-loop capacity (32 clients): {closed:.1f} req/s; open loop:", flush=True)
     capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
@@ -344,7 +351,7 @@ def config_override(repo: Path, spec: str, slo_ms: float) -> dict[str, object] |
     override = {
         "shipped": None,
         "adaptive": adaptive_override(slo_ms, None),
-        "triton": {"dynamic_batching": {"policy": "triton"}},
+        "triton": TRITON,
     }[name]
     if not assignments:
         return override
