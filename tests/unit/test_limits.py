@@ -4,9 +4,10 @@ for a request cut off by shutdown; driven through a fake transport and a fake cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -349,17 +350,24 @@ class SocketTransport(FakeTransport):
 KEEP_ALIVE_S = uvicorn.Config(App()).timeout_keep_alive
 
 
-async def test_keep_alive_timeout_spares_a_request_already_waiting_unread() -> None:
+@contextlib.asynccontextmanager
+async def answered_once() -> AsyncIterator[tuple[Conn, socket.socket]]:
+    """A connection over a real socket pair that has answered one request; and the peer."""
     ours, peer = socket.socketpair()
     with ours, peer:
         peer.setblocking(False)
         conn = Conn(transport=SocketTransport(ours))
         conn.send(head(body_bytes=0))
         await conn.settle()
+        yield conn, peer
+
+
+async def test_keep_alive_timeout_spares_a_request_already_waiting_unread() -> None:
+    async with answered_once() as (conn, peer):
         peer.sendall(head(body_bytes=0))  # the next request: arrived, not yet read
         conn.clock.advance(KEEP_ALIVE_S)  # a late loop runs the idle timer before the read
         assert not conn.transport.closed  # it used to close (and reset) the connection here
-        conn.send(ours.recv(1 << 16))  # the read of the same loop iteration
+        conn.send(conn.transport.sock.recv(1 << 16))  # the read of the same loop iteration
         await conn.settle()
         assert [a[0] for a in conn.answers()] == [200, 200]
         conn.clock.advance(KEEP_ALIVE_S)  # idle again, nothing waiting: closed as before
@@ -370,12 +378,7 @@ async def test_keep_alive_timeout_spares_a_request_already_waiting_unread() -> N
 async def test_idle_close_sends_its_end_of_stream_at_once() -> None:
     # A real transport's close() sends the FIN only after the loop's other ready callbacks:
     # a window in which the client still sees an open connection and sends into a reset.
-    ours, peer = socket.socketpair()
-    with ours, peer:
-        peer.setblocking(False)
-        conn = Conn(transport=SocketTransport(ours))
-        conn.send(head(body_bytes=0))
-        await conn.settle()
+    async with answered_once() as (conn, peer):
         conn.clock.advance(KEEP_ALIVE_S - 0.1)
         assert not conn.transport.closed
         conn.clock.advance(0.1)
@@ -384,12 +387,7 @@ async def test_idle_close_sends_its_end_of_stream_at_once() -> None:
 
 
 async def test_idle_close_leaves_a_still_buffered_answer_to_close() -> None:
-    ours, peer = socket.socketpair()
-    with ours, peer:
-        peer.setblocking(False)
-        conn = Conn(transport=SocketTransport(ours))
-        conn.send(head(body_bytes=0))
-        await conn.settle()
+    async with answered_once() as (conn, peer):
         conn.transport.num_bytes_buffered = 10  # a slow reader: the answer is not all out yet
         conn.clock.advance(KEEP_ALIVE_S)
         assert conn.transport.closed  # close() flushes, then closes
