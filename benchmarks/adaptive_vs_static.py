@@ -62,6 +62,7 @@ from load_trace import (
 )
 
 from fulcrum.client import Endpoint
+from fulcrum.demo_bench import under_triton_rules
 from fulcrum.loadgen.bench import Bench, BenchOptions
 from fulcrum.loadgen.kserve import PreparedRequest, V2Target, encode_request
 from fulcrum.loadgen.records import RequestRecord
@@ -72,9 +73,6 @@ MODEL = "minilm"
 # The static sweep at the peak: (max_batch_size, max_queue_delay_ms). (64, 0) is the shipped one.
 SWEEP = ((8, 0.0), (16, 0.0), (32, 0.0), (64, 0.0), (16, 5.0), (64, 5.0))
 NO_BATCHING: dict[str, object] = {"dynamic_batching": None}
-# The file's config under Triton's batching rules (minilm ships the adaptive policy): the
-# static configs, and the capacity (the adaptive policy's 503s would lower a closed loop's rate).
-TRITON: dict[str, object] = {"dynamic_batching": {"policy": "triton"}}
 CAPACITY_CLIENTS = 32
 T = TypeVar("T")
 
@@ -175,7 +173,10 @@ def run_trace(repo: Path, args: argparse.Namespace) -> dict[str, object]:
     with serving(repo, args.src.resolve(), args.out / "server.log") as (url, _port):
         target = V2Target(Endpoint.from_url(url), v2_requests(url, 256, args.words))
         runner = Runner(url, target, args)
-        runner.switch(TRITON, 20.0)
+        # The file's config under Triton's rules (minilm ships the adaptive policy): the static
+        # configs, and the capacity (the adaptive policy's 503s would lower a closed loop's rate).
+        triton = under_triton_rules(repo / MODEL / "config.toml")
+        runner.switch(triton, 20.0)
         # The better of two: on a shared machine a neighbour only ever makes it look lower.
         first = [capacity_rps(url, target, args.capacity_s) for _ in range(2)]
         closed = max(first)
@@ -191,7 +192,7 @@ def run_trace(repo: Path, args: argparse.Namespace) -> dict[str, object]:
         best_batch, best_delay, _ = max(sweep, key=lambda row: row[2])
         policies: list[tuple[str, dict[str, object] | None]] = [
             ("no batching", NO_BATCHING),
-            ("shipped static", TRITON),
+            ("shipped static", triton),
             (f"best static (batch {best_batch}, delay {best_delay:g})",
              static_override(best_batch, best_delay)),
         ]  # fmt: skip
@@ -205,7 +206,7 @@ def run_trace(repo: Path, args: argparse.Namespace) -> dict[str, object]:
         for name, override in policies:
             print(f"trace: {name} ...", flush=True)
             results.append(runner.policy(name, override, steps, capacity))
-        reload(url, MODEL, TRITON)
+        reload(url, MODEL, triton)
         after = capacity_rps(url, target, args.capacity_s)
     return {"capacity_rps": capacity, "capacity_after_rps": after, "sweep": sweep,
             "results": results, "steps": steps, "adaptive_error": why_not}  # fmt: skip

@@ -55,6 +55,7 @@ from load_trace import (
 )
 
 from fulcrum.client import Endpoint
+from fulcrum.demo_bench import under_triton_rules
 from fulcrum.loadgen.kserve import V2Target
 from fulcrum.loadgen.records import STATUS_TIMEOUT, RequestRecord
 
@@ -327,14 +328,10 @@ def overload(url: str, port: int, target: V2Target, name: str, override: dict[st
     )  # fmt: skip
 
 
-# The file's config under Triton's batching rules (minilm ships the adaptive policy).
-TRITON: dict[str, object] = {"dynamic_batching": {"policy": "triton"}}
-
-
-def measure_capacity(url: str, target: V2Target) -> tuple[float, float]:
+def measure_capacity(url: str, target: V2Target, triton: dict[str, object]) -> tuple[float, float]:
     """(closed-loop, open-loop) capacity in req/s of the server at `url`, its model under
     Triton's rules: an adaptive policy's 503s would count as requests it cannot carry."""
-    reload(url, MODEL, TRITON)
+    reload(url, MODEL, triton)
     closed = max(capacity_rps(url, target, 5.0) for _ in range(2))
     print(f"closed-loop capacity (32 clients): {closed:.1f} req/s; open loop:", flush=True)
     capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
@@ -351,7 +348,7 @@ def config_override(repo: Path, spec: str, slo_ms: float) -> dict[str, object] |
     override = {
         "shipped": None,
         "adaptive": adaptive_override(slo_ms, None),
-        "triton": TRITON,
+        "triton": under_triton_rules(repo / MODEL / "config.toml"),
     }[name]
     if not assignments:
         return override
@@ -374,7 +371,9 @@ def run(repo: Path, args: argparse.Namespace) -> dict[str, object]:
                 target = V2Target(Endpoint.from_url(url), v2_requests(url, 256, args.words))
                 play(url, target, [Step(0.0, 3.0, 1.0)], 20.0, seed=1, timeout_s=10.0)  # warm
                 if capacity <= 0:
-                    closed, capacity = measure_capacity(url, target)
+                    triton = config_override(repo, "triton", args.slo_ms)
+                    assert triton is not None
+                    closed, capacity = measure_capacity(url, target, triton)
                     print(f"open-loop capacity {capacity:.1f} req/s; overload {args.factor:g}x = "
                           f"{capacity * args.factor:.0f} req/s for {args.seconds:g} s",
                           flush=True)  # fmt: skip

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         show_similarities(url)
         from fulcrum.demo_bench import batching_trade_off
 
-        batching_trade_off(url, duration_s=args.duration, console=console)
+        batching_trade_off(url, repository, duration_s=args.duration, console=console)
     return 0
 
 

@@ -37,6 +37,23 @@ def test_plain_configs_keep_their_overrides(tmp_path: Path) -> None:
     }
 
 
+def test_triton_keeps_the_files_batching_table_with_only_the_policy_changed(
+    tmp_path: Path,
+) -> None:
+    """A reload override replaces a whole top-level table: dropping preferred_batch_sizes and
+    the SLO would measure some other config than the file's."""
+    repo = write_repo(tmp_path)
+    config = repo / "minilm" / "config.toml"
+    config.write_text(
+        config.read_text()
+        + '[dynamic_batching]\npolicy = "adaptive"\nslo_p99_ms = 100\n'
+        + "preferred_batch_sizes = [16]\n"
+    )
+    assert overload_minute.config_override(repo, "triton", 80.0) == {
+        "dynamic_batching": {"policy": "triton", "slo_p99_ms": 100, "preferred_batch_sizes": [16]}
+    }
+
+
 def test_parameters_after_at_are_laid_over_the_files_parameters(tmp_path: Path) -> None:
     repo = write_repo(tmp_path)
     spec = "adaptive@dynamic_block_base=4;intra_op_threads=1"
