@@ -13,9 +13,8 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-import onnx
-import onnx.helper as oh
 import pytest
+from onnx_graphs import write_add_graph
 from packaging.requirements import Requirement
 
 from fulcrum.errors import ConfigError
@@ -300,15 +299,7 @@ def write_repository(root: Path) -> Path:
     """`double` (ONNX, y = x + x), `chat` (an LLM) and `scripted` (a torch model)."""
     (root / "double" / "1").mkdir(parents=True)
     (root / "double" / "config.toml").write_text(_DOUBLE)
-    graph = oh.make_graph(
-        [oh.make_node("Add", ["x", "x"], ["y"])],
-        "double",
-        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", 2])],
-        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", 2])],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(root / "double" / "1" / "model.onnx"))
+    write_add_graph(root / "double" / "1" / "model.onnx")
     for name, config in (("chat", 'platform = "llm"\n'), ("scripted", _TORCH)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.toml").write_text(config)

@@ -11,9 +11,8 @@ import threading
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnx.helper as oh
 import pytest
+from onnx_graphs import write_add_graph
 
 from fulcrum.cli import build_parser
 from fulcrum.config import ModelConfig, TensorSpec
@@ -175,19 +174,6 @@ async def test_call_lowered_runs_on_a_lowered_thread_and_leaves_the_loop_alone()
     assert thread_nice() == loop_nice
     with pytest.raises(ZeroDivisionError):  # an error crosses back to the caller
         await call_lowered(2, divmod, 1, 0)
-
-
-def write_add_graph(path: Path) -> None:
-    """x (float [B, 2]) -> y = x + x."""
-    graph = oh.make_graph(
-        [oh.make_node("Add", ["x", "x"], ["y"])],
-        "double",
-        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", 2])],
-        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", 2])],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
 
 
 async def test_onnx_runtime_pool_threads_are_born_lowered(tmp_path: Path) -> None:
