@@ -13,6 +13,13 @@ from torch.nn import functional as F
 
 from fulcrum.errors import ConfigError
 from fulcrum.llm import cpu_bf16
+from fulcrum.llm.quant_int4_layout import (
+    PAD_ROWS,
+    from_kernel_layout,
+    kernel_layout_rows,
+    kernel_layout_spec,
+    to_kernel_layout,
+)
 from fulcrum.llm.quant_matmul import CHUNK_ROWS, dequantized_linear
 
 GROUP_SIZES = (32, 64, 128, 256)  # what torch's fused CPU kernel accepts
@@ -27,7 +34,6 @@ DEFAULT_GROUP_SIZE = 128
 FUSED_MAX_ROWS: int | None = None
 _QMAX = 15
 _SYM_ZERO = 8  # symmetric: q - 8 in [-8, 7]
-_KERNEL_BLOCK_N = 64  # the fused kernel packs 64 output rows at a time
 
 
 @dataclass(frozen=True)
@@ -108,47 +114,18 @@ def _pad_columns(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return F.pad(w, (0, pad)) if pad else w
 
 
-def to_kernel_layout(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) in [0, 15] -> the fused CPU kernel's packed (N, K/2) uint8."""
-    packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        q.to(torch.int32).contiguous(), 1
-    )
-    return packed
-
-
 def kernel_layout(qweight: torch.Tensor) -> torch.Tensor:
     """Canonical packed (N, Kp/2) -> the fused kernel's layout, `CHUNK_ROWS` rows at a time:
     64-row blocks convert independently, and the kernel's converter wants int32 input (4 bytes
     a weight, 1 GB at once for a 128k-row head)."""
     n = qweight.shape[0]
-    if n % _KERNEL_BLOCK_N:
+    if n % PAD_ROWS:
         return to_kernel_layout(unpack_int4(qweight))
     parts = [
         to_kernel_layout(unpack_int4(qweight[lo : lo + CHUNK_ROWS]))
         for lo in range(0, n, CHUNK_ROWS)
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def kernel_layout_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` (T,) of weights in the fused kernel's layout -> (T, K) uint8 in [0, 15]
-    (the layout of `from_kernel_layout`, read for a few rows only)."""
-    n, half_k = packed.shape
-    half = _KERNEL_BLOCK_N // 2
-    blocks = packed.reshape(n // _KERNEL_BLOCK_N, 2 * half_k, half)  # (B, K, 32)
-    within = ids % _KERNEL_BLOCK_N  # (T,)
-    picked = blocks[ids // _KERNEL_BLOCK_N, :, within % half]  # (T, K)
-    shift = torch.where(within >= half, 4, 0).to(torch.uint8)[:, None]
-    return (picked >> shift) & 0xF
-
-
-def from_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `to_kernel_layout` for N a multiple of 64: each block of 64 rows is
-    stored (K, 32) bytes, row r in the low nibble and row r + 32 in the high one."""
-    n, half_k = packed.shape
-    blocks = packed.reshape(n // _KERNEL_BLOCK_N, 2 * half_k, _KERNEL_BLOCK_N // 2)  # (B, K, 32)
-    low, high = (blocks & 0xF).transpose(1, 2), (blocks >> 4).transpose(1, 2)  # (B, 32, K)
-    return torch.cat((low, high), dim=1).reshape(n, 2 * half_k)
 
 
 class Int4Linear(nn.Module):
@@ -236,6 +213,7 @@ class Int4Linear(nn.Module):
             x2.device.type == "cpu"
             and x2.dtype in (torch.float32, torch.bfloat16)
             and cpu_bf16.cpu_has_bf16()
+            and kernel_layout_spec() is not None
         )
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -252,7 +230,7 @@ class Int4Linear(nn.Module):
         if self._kernel is None:
             # The kernel takes whole 64-row blocks: a layer of another width gets zero rows,
             # cut from its output, rather than another path (whose rounding differs).
-            pad = -self.out_features % _KERNEL_BLOCK_N
+            pad = -self.out_features % PAD_ROWS
             qweight, scales = _pad_rows(self.qweight, pad), _pad_rows(self.scales.float(), pad)
             # The kernel computes (q - 8) * scale + zero_f: zero_f moves our integer zero.
             zero_f = (_SYM_ZERO - _pad_rows(self.zeros, pad).float()) * scales  # (Np, G)
@@ -268,7 +246,7 @@ class Int4Linear(nn.Module):
         scales, zeros = self.scales[lo:hi], self.zeros[lo:hi]
         if self._kernel is None:
             return _dequantize(unpack_int4(self.qweight[lo:hi]), scales, zeros, dtype)
-        pad = -(hi - lo) % _KERNEL_BLOCK_N
+        pad = -(hi - lo) % PAD_ROWS
         packed = self.qweight[lo : hi + pad]
         scales, zeros = _pad_rows(scales, pad), _pad_rows(zeros, pad)
         if dtype == torch.bfloat16 and packed.is_cpu:

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-_BLOCK_N = 64  # the fused kernel packs 64 output rows at a time
+from fulcrum.llm.quant_int4_layout import kernel_layout_spec
+
 _LEVELS = 16
 
-Kernel = Callable[[Any, Any, Any, int, int], None]
+Kernel = Callable[[Any, Any, Any, Any, Any, int, int], None]
 
 
 def dequantize_kernel_layout(
@@ -29,8 +30,12 @@ def dequantize_kernel_layout(
     values = (levels - zeros.float()[..., None]) * scales.float()[..., None]  # (N, G, 16)
     table = values.to(torch.bfloat16).view(torch.int16).contiguous()
     out = torch.empty(n, 2 * half_k, dtype=torch.int16)
-    blocks = packed.reshape(n // _BLOCK_N, 2 * half_k, _BLOCK_N // 2)  # (B, K, 32)
-    args = (blocks.numpy(), table.numpy(), out.numpy())
+    spec = kernel_layout_spec()
+    if spec is None:
+        raise RuntimeError("torch's fused int4 layout on this CPU is not one Fulcrum can read")
+    blocks = packed.reshape(n // spec.block_rows, 2 * half_k, spec.block_rows // 2)  # (B, K, half)
+    rows = (spec.low_rows.numpy(), spec.high_rows.numpy())
+    args = (blocks.numpy(), *rows, table.numpy(), out.numpy())
     num_blocks = blocks.shape[0]
     workers = max(1, min(torch.get_num_threads(), num_blocks))
     kernel = _kernel()
@@ -60,15 +65,18 @@ def _kernel() -> Kernel:
     return compiled
 
 
-def _dequantize_blocks(blocks: Any, table: Any, out: Any, lo: int, hi: int) -> None:
-    """out[64b + r, k] = table[row, k // g, nibble] for blocks b in [lo, hi): row r's nibble
-    is the low half of blocks[b, k, r], row r + 32's the high half."""
+def _dequantize_blocks(
+    blocks: Any, low_rows: Any, high_rows: Any, table: Any, out: Any, lo: int, hi: int
+) -> None:
+    """out[row, k] = table[row, k // g, nibble] for blocks b in [lo, hi): byte r of column k
+    holds block row low_rows[r] in its low half and high_rows[r] in its high half
+    (`quant_int4_layout.KernelLayout`)."""
     num_k, half = blocks.shape[1], blocks.shape[2]
     group = num_k // table.shape[1]
     for b in range(lo, hi):
         for r in range(half):
-            low_row = b * 2 * half + r
-            high_row = low_row + half
+            low_row = b * 2 * half + low_rows[r]
+            high_row = b * 2 * half + high_rows[r]
             for k in range(num_k):
                 byte = blocks[b, k, r]
                 g = k // group
