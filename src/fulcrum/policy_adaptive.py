@@ -9,6 +9,11 @@ still finishes before the earliest deadline in its slow runs (the fit times `Lat
 as the arrival check also plans) and within the per-batch share of the SLO; and waits
 (up to max_queue_delay_ms) only while waiting cannot make the earliest request miss. It also
 bounds the queue (when the config does not) at what the instances drain within the SLO.
+
+What a burst teaches must not refuse the light load after it: a request alone on an idle
+instance is refused only when the fit says it cannot finish within its SLO (not the due time
+that keeps the overhead reserve free), the arrival margin relaxes while the instance sits idle,
+one probe far faster than the fit rescales it, and batches grow from the largest one measured.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ from fulcrum.queue_bound import DerivedBound, OverheadReserve
 MARGIN_UP = 1.05  # per late shed
 MARGIN_DOWN = 0.999  # per batch
 MAX_MARGIN = 3.0
+# ... and while the instance sits idle (nothing queued or running) the margin's excess over 1
+# halves every this many SLOs: a burst's late sheds say nothing about the light load after it,
+# where so few batches run that the per-batch decay alone would keep the margin for minutes. An
+# overload never leaves the instance idle, so this never touches the balance above.
+MARGIN_IDLE_HALF_LIFE_SLOS = 10.0
+MAX_GROWTH = 2  # the batch limit is at most this many times the largest batch measured
 # EWMA weight of one arrival in the mean time from a request's head to its queue (body read
 # and decoded): the head's check runs that much later in its prediction.
 AGE_WEIGHT = 0.02
@@ -58,9 +69,11 @@ class AdaptivePolicy:
         self.arrival_age_s = 0.0  # mean seconds from a request's head to its queue
         self.last_predicted_s = self.last_observed_s = 0.0
         self.num_probes = 0
+        self._probing = False  # the next batch to end is a probe
         self._busy_until: list[float] = []  # predicted ends of running batches (min-heap)
         self._last_start_s: float | None = None  # when the last batch was sent (None: never)
         self._shed_since_start = 0
+        self._idle_since_s: float | None = None  # since when nothing was queued or running
 
     @property
     def queue_bound(self) -> int:
@@ -80,7 +93,10 @@ class AdaptivePolicy:
         retry_after_s = self.drain_s(queue.num_rows, now) if shed else 0.0
         head = next(queue.live(), None)
         if head is None:
+            if not self._busy_until and self._idle_since_s is None:
+                self._idle_since_s = now
             return Plan(reject=rejected, shed=shed, retry_after_s=retry_after_s)
+        self._end_idle(now)
         # The largest batch that still finishes by the head's deadline, within the budget.
         by_deadline = self.batch_limit
         if head.state != DELAYED:  # a late one runs with the largest batch allowed
@@ -119,7 +135,8 @@ class AdaptivePolicy:
         # Predicted before this batch taught the model anything: the error it really made.
         self.last_predicted_s = self.model.predict(record.batch_size)
         self.last_observed_s = record.compute_s
-        self.model.observe(record.batch_size, record.compute_s)
+        probe, self._probing = self._probing, False
+        self.model.observe(record.batch_size, record.compute_s, probe=probe)
         for num_rows, compute_s in record.retried_batches:
             self.model.observe(num_rows, compute_s)
         self.derived.observe(record)
@@ -137,6 +154,7 @@ class AdaptivePolicy:
         its cost) and what it lets through is rarely refused after its body was decoded."""
         if not self.model.trusted or item.timeout_action == "delay":
             return None
+        self._end_idle(now)
         queued = item.seq >= 0  # admit() numbers queued items; a probe keeps -1
         if queued:
             age_s = max(0.0, now - item.origin_s)
@@ -156,7 +174,7 @@ class AdaptivePolicy:
             drain_s *= self.model.error
         if ahead:
             drain_s += (self.arrival_margin - 1.0) * self.drain_s(ahead, now)
-        if at_s + drain_s <= item.due_s:
+        if at_s + drain_s <= (item.due_s if ahead else self._deadline_s(item)):
             return None
         self.num_shed += 1
         self.num_shed_head += not queued
@@ -204,6 +222,23 @@ class AdaptivePolicy:
             "probes": self.num_probes,
         }
 
+    def _deadline_s(self, item: Pending) -> float:
+        # What "hopeless" is judged by: the SLO itself (or the request's own timeout), not the
+        # due time that also keeps the overhead reserve free. The reserve is a planning margin
+        # (batches aim to end that much early); a request that runs next, with nothing ahead,
+        # and finishes within its SLO is answered in time in all but the reserve's slowest
+        # cases, whereas refusing it is a certain failure. A burst also inflates the reserve
+        # (a busy event loop), and light load refreshes it only over hundreds of requests.
+        deadline_s = item.origin_s + self.slo_s
+        return deadline_s if item.deadline_s is None else min(deadline_s, item.deadline_s)
+
+    def _end_idle(self, now: float) -> None:
+        idle_since_s = self._idle_since_s
+        if idle_since_s is not None:
+            self._idle_since_s = None
+            halvings = (now - idle_since_s) / (MARGIN_IDLE_HALF_LIFE_SLOS * self.slo_s)
+            self.arrival_margin = 1.0 + (self.arrival_margin - 1.0) * 0.5 ** max(0.0, halvings)
+
     def _starved(self, now: float) -> bool:
         # Only a batch that runs can correct a fit that is too pessimistic (a slow warm-up, a
         # burst of contention): if it predicts every head late, everything is shed, nothing runs
@@ -220,13 +255,18 @@ class AdaptivePolicy:
         # Only heads can be hopeless first: EDF puts the earliest deadline in front, and one
         # that fits leaves the rest (later deadlines) to later plans. Collect, then act: acting
         # reorders the heap under the iterator.
+        # A request alone (nothing else queued or running) is judged as on arrival, by its SLO;
+        # with others queued, by its due time, which keeps the overhead reserve free for them.
         hopeless: list[Pending] = []
+        alone = len(queue) == 1 and not self._busy_until
         for level in range(1, queue.num_levels + 1):
             for item in queue.level_items(level):
-                if item.state == DELAYED or now + self.model.predict(item.num_rows) <= item.due_s:
+                due_s = self._deadline_s(item) if alone else item.due_s
+                if item.state == DELAYED or now + self.model.predict(item.num_rows) <= due_s:
                     break
-                if probe and now < item.due_s:
+                if probe and now < self._deadline_s(item):
                     self.num_probes += 1
+                    self._probing = True
                     probe = False
                     break
                 hopeless.append(item)
@@ -261,6 +301,11 @@ class AdaptivePolicy:
         return items, num_rows, True
 
     def _refresh(self) -> None:
-        rows = self.model.max_rows(self.batch_budget_s)
-        self.batch_limit = min(self.max_batch_size, max(1, rows))
-        self.derived.refresh(self.model, self.batch_limit, self.overhead.reserve_s)
+        rows = min(self.max_batch_size, max(1, self.model.max_rows(self.batch_budget_s)))
+        # Beyond the largest batch ever run the fit is a guess: lone rows at light load say
+        # little about the per-row cost, and a slope within their noise put 32-47 rows within
+        # a 50 ms budget that 16 rows overran 3x. Growing at most MAX_GROWTH-fold past what was
+        # measured still reaches 32 rows within five batches of a rising load. (The queue bound
+        # keeps the fit's own limit: a burst's first batches must find room to queue.)
+        self.batch_limit = min(rows, MAX_GROWTH * max(1, self.model.max_observed_rows))
+        self.derived.refresh(self.model, rows, self.overhead.reserve_s)
