@@ -80,15 +80,87 @@ def test_sequences_split_across_threads_give_the_same_result() -> None:
     torch.testing.assert_close(got, _reference(q, k_cache, v_cache, tables, lens, 0.25))
 
 
+def _ragged(
+    lens: torch.Tensor, starts: torch.Tensor, num_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """starts, lens, row offsets and an empty flat score buffer, as paged_decode lays them out."""
+    num_keys = (lens - starts).numpy()
+    offsets = (np.cumsum(num_keys) - num_keys) * num_rows
+    scores = np.empty(int(num_keys.sum()) * num_rows, np.float32)
+    return starts.numpy(), lens.numpy(), offsets, scores
+
+
 def test_uncompiled_kernels_agree_with_compiled_ones() -> None:
-    # The plain-Python source numba compiles is the specification; run both on a small case.
-    q, k_cache, _, tables, lens = _case([5, 9, 1], 2, 2, 8, 4, seed=5)
-    qk, _ = decode_kernel._kernels()
-    scores = [np.full((3, 2, 2, tables.shape[1] * 4), -np.inf, np.float32) for _ in range(2)]
-    args = (q.numpy(), k_cache.numpy(), tables.numpy(), lens.numpy())
-    qk(*args, scores[0], 0, 3)
-    decode_kernel._qk(*args, scores[1], 0, 3)
-    np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5, atol=1e-6)
+    # The plain-Python source numba compiles is the specification; run both on a small case,
+    # with a window skipping leading keys of two sequences.
+    q, k_cache, v_cache, tables, lens = _case([5, 9, 1, 12], 2, 2, 8, 4, seed=5)
+    starts, lens_np, offsets, scores = _ragged(lens, torch.tensor([0, 6, 0, 3]), 4)
+    ragged = (tables.numpy(), starts, lens_np, offsets)
+    kernels = decode_kernel._kernels()
+    outs = []
+    for qk, softmax, pv in (
+        kernels,
+        (decode_kernel._qk, decode_kernel._softmax, decode_kernel._pv),
+    ):
+        out = np.zeros((4, 2, 2, 8), np.float32)
+        qk(q.numpy(), k_cache.numpy(), *ragged, scores, 0, 4)
+        softmax(scores, starts, lens_np, offsets, 4, 0, 4)
+        pv(scores, v_cache.numpy(), *ragged, out, 0, 4)
+        outs.append((scores.copy(), out))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spread", [1.0, 30.0, 300.0])
+def test_softmax_rows_match_torch_to_float32_rounding(spread: float) -> None:
+    # Rows of 1-300 scores; a spread of 300 puts most terms under exp's smallest normal.
+    gen = torch.Generator().manual_seed(int(spread))
+    lens = torch.tensor([1, 2, 17, 300, 64])
+    starts, lens_np, offsets, scores = _ragged(lens, torch.zeros(5, dtype=torch.int64), 3)
+    scores[:] = (torch.rand(scores.shape[0], generator=gen) * spread - spread / 2).numpy()
+    want = [
+        torch.softmax(torch.from_numpy(scores[o : o + 3 * n].reshape(3, n)), dim=-1)
+        for o, n in zip(offsets.tolist(), lens.tolist(), strict=True)
+    ]
+    decode_kernel._kernels().softmax(scores, starts, lens_np, offsets, 3, 0, 5)
+    for o, n, rows in zip(offsets.tolist(), lens.tolist(), want, strict=True):
+        got = torch.from_numpy(scores[o : o + 3 * n].reshape(3, n))
+        torch.testing.assert_close(
+            got, rows, rtol=1.2e-6, atol=1e-37
+        )  # a few float32 ulps (6e-8 each)
+        torch.testing.assert_close(got.sum(-1), torch.ones(3))
+
+
+def test_a_window_attends_only_its_keys() -> None:
+    lengths = [7, 40, 33, 16]
+    skip = torch.tensor([0, 5, 32, 15])  # down to a single key read
+    q, k_cache, v_cache, tables, lens = _case(lengths, 2, 2, 16, 16, seed=11)
+    got = decode_kernel.paged_decode(q, k_cache, v_cache, tables, lens, 0.3, skip=skip)
+    for i, (n, first) in enumerate(zip(lengths, skip.tolist(), strict=True)):
+        keys = k_cache[:, tables[i]].flatten(1, 2)[:, first:n]  # (Hkv, n - first, D)
+        values = v_cache[:, tables[i]].flatten(1, 2)[:, first:n]
+        want = F.scaled_dot_product_attention(q[i], keys, values, scale=0.3)
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefetch_is_a_no_op_in_python_and_compiles_in_numba() -> None:
+    import numba
+
+    from fulcrum.llm.models.prefetch import prefetch, register
+
+    values = np.arange(64, dtype=np.float32).reshape(4, 16)
+    assert prefetch(values, 16) is None
+    register()
+
+    @numba.njit
+    def total_with_hints(array: np.ndarray) -> float:
+        acc = 0.0
+        for i in range(array.shape[0]):
+            prefetch(array, (i + 1) * array.shape[1] % array.size)
+            acc += array[i].sum()
+        return acc
+
+    assert total_with_hints(values) == values.sum()
 
 
 def test_only_float32_cpu_pools_are_supported() -> None:
