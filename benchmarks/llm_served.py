@@ -8,7 +8,8 @@ raised to the largest concurrency), and per repeat, alternating the modes, start
 on a free 127.0.0.1 port, runs `fulcrum bench tiny-llama --openai` (closed loop, streaming) at
 each concurrency, and stops the server. Prints tok/s, TTFT and ITL P50/P99 per run, and each
 mode's ratios to the first mode within each repeat (the modes of a repeat run back to back, their
-order rotating between repeats). A mode may name its engine's torch threads: `process:1`.
+order rotating between repeats). A mode may name its engine's torch threads: `process:1`;
+`processN` runs N engine processes (`num_engine_processes = N`): `process2:1`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def build_repo(root: Path, mode: str, max_num_seqs: int, num_threads: int) -> Pa
     num_threads = int(threads) if threads else num_threads
     config = repo / "tiny-llama" / "config.toml"
     text = config.read_text().replace("max_num_seqs = 64", f"max_num_seqs = {max_num_seqs}")
-    text += f"engine_process = {'true' if mode == 'process' else 'false'}\n"
+    num_processes = mode.removeprefix("process")  # "process2": num_engine_processes = 2
+    text += f"engine_process = {'true' if mode.startswith('process') else 'false'}\n"
+    if num_processes.isdigit():
+        text += f"num_engine_processes = {num_processes}\n"
     text += f"num_threads = {num_threads}\n"
     config.write_text(text)
     return repo
@@ -134,7 +138,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads of the engine")
     parser.add_argument("--modes", default="thread,process", type=lambda s: s.split(","),
-                        help="thread / process, each optionally :num_threads")  # fmt: skip
+                        help="thread / process / processN, each :num_threads or not")  # fmt: skip
     return parser.parse_args()
 
 

@@ -1,7 +1,7 @@
 """Continuous batching vs transformers' `generate` on the tiny Llama, in one run.
 
     .venv/bin/python benchmarks/llm_throughput.py [--num-requests 512] [--rate 1000] [--record]
-        [--engine sync,thread,process] [--skip-one-at-a-time]
+        [--engine sync,thread,process,process2] [--static-threads 1,2] [--skip-one-at-a-time]
 
 Two mixed workloads (prompt 16-256 tokens, Poisson arrivals at --rate requests/s, more than any
 setup here keeps up with, so each runs at its capacity) differ only in their output lengths:
@@ -16,7 +16,10 @@ static batch size with the most tokens/s; --record appends the figures to benchm
 --engine says how the engine is driven (several: one row each, in the same run): "sync" steps
 LLMEngine directly in this loop (no asyncio, no server); "thread" and "process" drive
 AsyncLLMEngine.generate from one asyncio task per request, its engine stepped by a thread or by
-an engine process (`engine_process = true`), as the server drives it.
+an engine process (`engine_process = true`), as the server drives it; "processN" by N engine
+processes (`num_engine_processes = N`, each with --threads torch threads). --static-threads runs
+the static batches at each of several torch thread counts (0: torch's default), so that engines
+using several cores meet a static batch using them too.
 Needs transformers (a test dependency).
 """
 
@@ -74,6 +77,22 @@ ENGINE_MODES = {
     "thread": "AsyncLLMEngine, engine thread",
     "process": "AsyncLLMEngine, engine process",
 }
+
+
+def engine_mode(mode: str) -> tuple[str, int]:
+    """("process", N) for "processN" (N engine processes); (mode, 1) otherwise."""
+    suffix = mode.removeprefix("process")
+    if mode.startswith("process") and suffix.isdigit() and int(suffix) >= 1:
+        return "process", int(suffix)
+    return mode, 1
+
+
+def engine_label(mode: str) -> str:
+    base, num = engine_mode(mode)
+    label = ENGINE_MODES[base]
+    return label if num == 1 else f"AsyncLLMEngine, {num} engine processes"
+
+
 # Output lengths of a workload: (name, how they are drawn).
 LENGTHS = {
     "uniform": "output 8-128 tokens, uniform",
@@ -181,27 +200,43 @@ async def _run_async(
     """Each workload through one AsyncLLMEngine (started once, before the clock starts)."""
     from prometheus_client import CollectorRegistry
 
+    from fulcrum.llm.engine_group import EngineGroupClient
     from fulcrum.llm.engine_process import ProcessEngineClient
     from fulcrum.llm.metrics import LLMMetrics
 
     metrics = LLMMetrics(CollectorRegistry(), "tiny-llama")
-    if mode == "process":
-        process_params = dataclasses.replace(params, engine_process=True)
-        client = await asyncio.to_thread(
-            ProcessEngineClient, version_dir, process_params, "tiny-llama", metrics
+    base, num_processes = engine_mode(mode)
+    if base == "process":
+        process_params = dataclasses.replace(
+            params, engine_process=True, num_engine_processes=num_processes
         )
+        kind = EngineGroupClient if num_processes > 1 else ProcessEngineClient
+        client = await asyncio.to_thread(kind, version_dir, process_params, "tiny-llama", metrics)
         engine = AsyncLLMEngine(client.front, model_name="tiny-llama", client=client)
+        print(f"{mode}: engine pids {engine.child_pids}", flush=True)
     else:
         sync = LLMEngine(load_checkpoint(version_dir), params, metrics=metrics)
         engine = AsyncLLMEngine(sync, model_name="tiny-llama")
     await engine.start()
-    await _drive(engine, workload(4, 1000.0, 0))  # warm-up (the process compiles its kernels)
+    await _drive(engine, workload(16, 1000.0, 0))  # warm-up (each process its kernels)
     results = []
     for requests in workloads:
         start = await _drive(engine, requests)
         results.append(summarize(name, requests, start))
+        _print_rss(engine.child_pids)
     await engine.stop()
     return results
+
+
+def _print_rss(pids: tuple[int, ...]) -> None:
+    from fulcrum.lifecycle.memory import MIB, process_rss_bytes
+
+    sizes = [process_rss_bytes(pid) for pid in pids]
+    shown = ", ".join(
+        f"{pid}: {(size or 0) / MIB:.0f} MiB" for pid, size in zip(pids, sizes, strict=True)
+    )
+    if pids:
+        print(f"engine process RSS after the run: {shown}", flush=True)
 
 
 def run_async_engine(
@@ -295,12 +330,18 @@ def main() -> None:
         default=1,
         help="torch threads for both sides (1: robust on a shared machine)",
     )
+    parser.add_argument(
+        "--static-threads",
+        default="",
+        help="torch threads of the static batches, comma-separated (0: torch's default); "
+        "default: --threads",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--engine",
         default="sync",
         help="how the engine is driven, comma-separated: sync (LLMEngine.step in this loop), "
-        "thread or process (AsyncLLMEngine, as served)",
+        "thread, process or processN (AsyncLLMEngine, as served; N engine processes)",
     )
     parser.add_argument(
         "--skip-one-at-a-time",
@@ -309,6 +350,7 @@ def main() -> None:
     )
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
+    default_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     import transformers
 
@@ -331,12 +373,15 @@ def main() -> None:
 
     engines = args.engine.split(",")
     for mode in engines:
-        if mode not in ENGINE_MODES:
-            parser.error(f"--engine {mode!r}: expected some of {list(ENGINE_MODES)}")
+        if engine_mode(mode)[0] not in ENGINE_MODES:
+            parser.error(f"--engine {mode!r}: expected some of {list(ENGINE_MODES)} or processN")
+    static_threads = [
+        int(t) or default_threads for t in (args.static_threads or str(args.threads)).split(",")
+    ]
     engine_params = dataclasses.replace(params, num_threads=args.threads)
 
     def run_engine_mode(mode: str, requests: list[Request]) -> Result:
-        name = f"engine (continuous batching), {ENGINE_MODES[mode]}"
+        name = f"engine (continuous batching), {engine_label(mode)}"
         if mode == "sync":
             return run_engine(name, fresh(), requests)
         return run_async_engine(name, mode, version_dir, engine_params, [requests])[0]
@@ -350,8 +395,7 @@ def main() -> None:
             return workload(args.num_requests, args.rate, args.seed, lengths=lengths)
 
         results = [run_engine_mode(mode, mixed()) for mode in engines]
-        for size in (int(b) for b in args.batch_sizes.split(",")):
-            results.append(run_static(f"generate, static batches of {size}", hf, mixed(), size))
+        results += _statics(args, hf, mixed, static_threads)
         # Now, before the long one-at-a-time run: the figures of a run cut short are not lost.
         print(f"{lengths}:", *_table(results), _verdict(results), sep="\n", flush=True)
         results += _one_at_a_time(args, hf, mixed)
@@ -369,6 +413,25 @@ def main() -> None:
     if args.record:
         with (Path(__file__).parent / "RESULTS.md").open("a") as f:
             f.write(report)
+
+
+def _statics(
+    args: argparse.Namespace,
+    model: Any,
+    requests: Callable[[], list[Request]],
+    static_threads: list[int],
+) -> list[Result]:
+    """Static batches of each size, at each torch thread count."""
+    results = []
+    for size in (int(b) for b in args.batch_sizes.split(",")):
+        for threads in static_threads:
+            torch.set_num_threads(threads)
+            label = f"generate, static batches of {size}"
+            if len(static_threads) > 1:
+                label += f", {threads} torch threads"
+            results.append(run_static(label, model, requests(), size))
+    torch.set_num_threads(args.threads)
+    return results
 
 
 def _one_at_a_time(
@@ -422,7 +485,8 @@ def render(
         f"Command: `.venv/bin/python benchmarks/llm_throughput.py --num-requests "
         f"{args.num_requests} --rate {args.rate:g} --batch-sizes {args.batch_sizes} "
         f"--max-num-seqs {args.max_num_seqs} --max-num-batched-tokens "
-        f"{args.max_num_batched_tokens} --engine {args.engine}`. Static batches: left-padded "
+        f"{args.max_num_batched_tokens} --engine {args.engine} --threads {args.threads} "
+        f"--static-threads {args.static_threads or args.threads}`. Static batches: left-padded "
         "prompts, max_new_tokens = the batch's longest output.\n",
     ]
     for lengths, results in by_lengths.items():

@@ -1,6 +1,7 @@
 """AsyncLLMEngine: one model's admission and output streams on the event loop, over an engine
-stepped elsewhere (`fulcrum.llm.engine_client`): a dedicated thread of the server, or with
-`engine_process = true` a process of its own. Tokens reach each request's asyncio queue with one
+stepped elsewhere (`fulcrum.llm.engine_client`): a dedicated thread of the server, with
+`engine_process = true` a process of its own, or with `num_engine_processes = N` N processes
+(`fulcrum.llm.engine_group`). Tokens reach each request's asyncio queue with one
 `call_soon_threadsafe` per step; a cancelled stream aborts its sequence within a step; a crashed
 engine fails its requests clearly and is restarted by its supervisor (`fulcrum.llm.supervisor`)."""
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from fulcrum.config import ModelConfig
+    from fulcrum.llm.engine_group import EngineGroupClient
+    from fulcrum.llm.engine_process import ProcessEngineClient
 
 __all__ = ["AsyncLLMEngine", "LLMEngine"]
 
@@ -91,10 +94,8 @@ class AsyncLLMEngine(AsyncTextFront):
         params = EngineParams.from_parameters(dict(config.parameters))
         metrics = LLMMetrics(registry or CollectorRegistry(), config.name, version, variant)
         try:
-            if params.engine_process:
-                from fulcrum.llm.engine_process import ProcessEngineClient
-
-                client = ProcessEngineClient(version_dir, params, config.name, metrics)
+            if params.uses_process:
+                client = _process_client(version_dir, params, config.name, metrics)
                 return cls(client.front, model_name=config.name, version=version, client=client)
             engine = LLMEngine.from_checkpoint(version_dir, params, metrics=metrics)
         except BaseException:
@@ -120,8 +121,11 @@ class AsyncLLMEngine(AsyncTextFront):
 
     @property
     def child_pids(self) -> tuple[int, ...]:
-        """The engine process's pid (`engine_process = true`; none for a thread): the memory
-        budget counts its resident memory."""
+        """The engine processes' pids (`engine_process`, `num_engine_processes`; none for a
+        thread): the memory budget counts their resident memory."""
+        pids = getattr(self._client, "pids", None)
+        if isinstance(pids, tuple):
+            return pids
         pid = getattr(self._client, "pid", None)
         return (pid,) if isinstance(pid, int) else ()
 
@@ -328,3 +332,16 @@ class AsyncLLMEngine(AsyncTextFront):
                 retry_after_s=self._retry_after_s,
             )
         return Unavailable(f"model {name!r}: the LLM engine is not running")
+
+
+def _process_client(
+    version_dir: Path, params: EngineParams, model_name: str, metrics: LLMMetrics
+) -> EngineGroupClient | ProcessEngineClient:
+    """One engine process, or (num_engine_processes > 1) a group of them; blocking."""
+    if params.num_engine_processes > 1:
+        from fulcrum.llm.engine_group import EngineGroupClient
+
+        return EngineGroupClient(version_dir, params, model_name, metrics)
+    from fulcrum.llm.engine_process import ProcessEngineClient
+
+    return ProcessEngineClient(version_dir, params, model_name, metrics)

@@ -33,6 +33,9 @@ from fulcrum.llm.params import EngineParams
 log = logging.getLogger(__name__)
 _CONTEXT = multiprocessing.get_context("spawn")
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+# One start at a time: _passive_omp sets the environment the child inherits for the length of a
+# start, so two at once (an engine group loading, restarts) could start one without it.
+_START_LOCK = threading.Lock()
 
 
 class EngineProcessDied(ModelError):
@@ -177,7 +180,7 @@ class ProcessEngineClient:
             name=f"llm-engine-{self.model_name}",
             daemon=True,  # a server that exits normally takes it along
         )
-        with _passive_omp():
+        with _START_LOCK, _passive_omp():
             process.start()
         # Only the child holds its end now, so its death reads as EOF here.
         child_conn.close()

@@ -44,6 +44,11 @@ class EngineParams:
     # Step the model in a child process of its own (vLLM V1's engine core process), so its
     # Python runs beside the server's event loop on another core; false: a thread in the server.
     engine_process: bool = False
+    # Data parallelism (vLLM's data_parallel_size): this many engine processes, each a whole
+    # engine with these parameters (its own weights, KV pool, max_num_seqs and torch threads);
+    # new requests go to the least loaded, with prefix affinity (fulcrum.llm.engine_group).
+    # Above 1 it implies engine_process; at most one per CPU core the server may use.
+    num_engine_processes: int = 1
     # An engine process that has requests but sends no step for this long is hung (a deadlock,
     # a stuck kernel): it is killed, its requests get a 503 naming the stall, and it restarts.
     # Far above any step, a long prefill's or the first one's warm-up included.
@@ -79,11 +84,17 @@ class EngineParams:
             values[key] = _coerce(key, value, type(getattr(cls, key)))
         params = cls(**values)
         params.validate()
+        if parameters.get("engine_process") is False and params.num_engine_processes > 1:
+            raise ConfigError(
+                f"key 'parameters.num_engine_processes' = {params.num_engine_processes}: runs "
+                "the engine in processes of their own, but engine_process is false; drop one"
+            )
         return params
 
     def validate(self) -> None:
         """Range checks."""
-        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting"):
+        for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_waiting",
+                    "num_engine_processes"):  # fmt: skip
             if getattr(self, key) < 1:
                 raise ConfigError(f"key 'parameters.{key}' = {getattr(self, key)}: must be >= 1")
         for key in ("num_kv_blocks", "max_model_len", "num_threads"):
@@ -107,6 +118,11 @@ class EngineParams:
                 f"key 'parameters.tool_call_parser' = {self.tool_call_parser!r}: expected one "
                 f"of {list(PARSER_NAMES)}"
             )
+
+    @property
+    def uses_process(self) -> bool:
+        """True when the engine steps in processes of its own rather than a server thread."""
+        return self.engine_process or self.num_engine_processes > 1
 
     @property
     def has_slo(self) -> bool:
