@@ -10,11 +10,14 @@ backend's execute on the instance thread, the ORT run, the result back on the lo
 response's first and last send; a client process sends one JSON request at a time after a
 random 0.5-1.5x --gap-s pause (keep-alive). Stamps are `time.perf_counter()` (CLOCK_MONOTONIC on
 Linux), so the client's and the server's compare. Per kind: the median of each step, of the
-total and of the time outside the ORT run. Kinds run in turn, --rounds times (interleaved), the
-first 10 requests of each run unmeasured. Kinds: `fulcrum` (the repository's config), `bare`
+total and of the time outside the ORT run. Kinds run in turn, --rounds times (interleaved,
+each round starting one kind further on), the first 10 requests of each run unmeasured.
+Kinds: `fulcrum` (the repository's config), `bare`
 (ORT defaults: threads = cores, spinning on), `bare_tuned` (2 threads, no spinning, as
 Fulcrum's minilm), `fulcrum_spin` (spinning within runs), `fulcrum_t1` (one intra-op thread),
-`fulcrum_idle_spin` (`spin_when_idle`), `fulcrum_dbb` (`dynamic_block_base = 4`).
+`fulcrum_idle_spin` (`spin_when_idle`), `fulcrum_dbb` (`dynamic_block_base = 4`). Each
+kind's parameters are merged into the config's as the backend reads them (before 2026-12-02
+only the session options saw them, so `fulcrum_idle_spin` built no second session).
 """
 
 from __future__ import annotations
@@ -176,21 +179,18 @@ def fulcrum_app(repo: Path, kind: str) -> tuple[Asgi, Any]:
         (onnx.OnnxBackend, "_run", "ort_in", "ort_out"),
     ]:
         patch(cls, name, before, after)
-    shipped = onnx.session_options
+    # The kind's parameters reach the backend itself, not only its session options: with
+    # `spin_when_idle` the backend builds and picks a second session.
+    decode = onnx.decode_parameters
 
-    def options(params: Any, *, lone: bool = False) -> Any:
-        changed = {**_fields(params), **KIND_PARAMETERS.get(kind, {})}
-        return shipped(type(params)(**changed), lone=lone)
+    def parameters(raw: dict[str, Any], kind_type: Any) -> Any:
+        return decode({**raw, **KIND_PARAMETERS.get(kind, {})}, kind_type)
 
-    onnx.session_options = options
+    onnx.decode_parameters = parameters  # type: ignore[assignment]
     settings = ServiceSettings(load_models=("minilm",), freeze_gc_after_start=True)
     service = Service.from_repository(repo, settings)
     app = stamped(create_app(service), "/v2/models/minilm/infer")
     return app, protocol_with(EdgeLimits(), EarlyRefusal(service))
-
-
-def _fields(params: Any) -> dict[str, Any]:
-    return {name: getattr(params, name) for name in params.__struct_fields__}
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -262,8 +262,11 @@ def main() -> int:
         serve(args)
         return 0
     found: dict[str, list[dict[str, float]]] = {}
-    for _ in range(args.rounds):
-        for kind in args.kinds.split(","):
+    kinds = args.kinds.split(",")
+    for round_index in range(args.rounds):
+        # Each round starts one kind further on, so no kind always follows the same one.
+        shift = round_index % len(kinds)
+        for kind in kinds[shift:] + kinds[:shift]:
             command = [sys.executable, __file__, "--serve", kind, "--repository",
                        str(args.repository), "--requests", str(args.requests),
                        "--gap-s", str(args.gap_s)]  # fmt: skip
