@@ -66,6 +66,7 @@ def test_config_is_what_the_server_expects(example_repo: Path) -> None:
         "allow_spinning": False,
         "dynamic_block_base": 4,
         "length_bucket_rows": 8,
+        "spin_when_idle": True,
     }
 
 

@@ -227,6 +227,19 @@ def test_spinning_between_runs_without_spinning_is_a_config_error(version_dir: P
         OnnxBackend(make_config(spin_between_runs=True), version_dir)
 
 
+def test_spin_between_runs_keeps_the_spin_when_idle_session_spinning_after_its_runs(
+    version_dir: Path,
+) -> None:
+    backend = OnnxBackend(make_config(spin_when_idle=True, spin_between_runs=True), version_dir)
+    assert backend.lone_session is not None
+    spinning = backend.lone_session.get_session_options()
+    assert _entry(spinning, "session.intra_op.allow_spinning") == "1"
+    assert _entry(spinning, "session.force_spinning_stop") is None  # ORT's default: spins on
+    shared_options = backend.session.get_session_options()
+    assert _entry(shared_options, "session.intra_op.allow_spinning") == "0"
+    backend.close()
+
+
 class RecordingSession:
     """Stands in for an InferenceSession: records that it ran, returns the real one's outputs."""
 
@@ -266,7 +279,7 @@ def test_spin_when_idle_runs_lone_batches_on_a_second_spinning_session(
     assert backend.lone_session is not None
     spinning = backend.lone_session.get_session_options()
     assert _entry(spinning, "session.intra_op.allow_spinning") == "1"
-    assert _entry(spinning, "session.force_spinning_stop") is None  # between runs too
+    assert _entry(spinning, "session.force_spinning_stop") == "1"  # within its runs only
     shared_options = backend.session.get_session_options()
     assert _entry(shared_options, "session.intra_op.allow_spinning") == "0"
     shared, lone = RecordingSession(backend.session), RecordingSession(backend.lone_session)

@@ -3,7 +3,7 @@
 When the config has a `[tokenizer]`, its BYTES input is turned into token tensors first, and
 with `length_bucket_rows = N` a batch is sorted by token length and run in chunks of N rows,
 each padded only to its own longest row. With `spin_when_idle = true` a second session, whose
-pool threads spin (ORT's own default), runs the batches that run alone while runs are sparse;
+pool threads spin within its runs, runs the batches that run alone while runs are sparse;
 the two sessions share the model's embedding tables (one copy in memory, not two).
 """
 
@@ -54,9 +54,11 @@ _ORT_TYPES: dict[str, np.dtype[np.generic]] = {
 
 def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.SessionOptions:
     """ORT session options from a model's parameters; `lone`: the `spin_when_idle` session,
-    whose pool spins between runs too (so its threads are awake when the next lone call comes)."""
-    if params.spin_between_runs and not params.allow_spinning:
-        raise ConfigError("parameter 'spin_between_runs' = true: needs allow_spinning = true")
+    whose pool spins within its runs (between them too with `spin_between_runs`)."""
+    if params.spin_between_runs and not (params.allow_spinning or params.spin_when_idle):
+        raise ConfigError(
+            "parameter 'spin_between_runs' = true: needs allow_spinning or spin_when_idle = true"
+        )
     if params.spin_when_idle and params.allow_spinning:
         raise ConfigError(
             "parameter 'spin_when_idle' = true: the session already spins (allow_spinning = true)"
@@ -72,7 +74,7 @@ def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.Sessio
     spin = "1" if params.allow_spinning or lone else "0"
     options.add_session_config_entry("session.intra_op.allow_spinning", spin)
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
-    if params.allow_spinning and not params.spin_between_runs:
+    if (params.allow_spinning or lone) and not params.spin_between_runs:
         options.add_session_config_entry("session.force_spinning_stop", "1")
     if params.dynamic_block_base:
         # Static splitting gives each pool thread an equal share up front: on cores shared with
