@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from fulcrum.llm.metrics import LLMMetrics
 from fulcrum.llm.outputs import RequestOutput
 from fulcrum.llm.params import EngineParams
 from fulcrum.llm.supervisor import RestartPolicy, RestartTracker
+from fulcrum.tuning.resources import usable_cores
 
 log = logging.getLogger(__name__)
 KEY = "parameters.num_engine_processes"
@@ -101,7 +101,7 @@ class EngineGroupClient:
         thread): the first alone (a bad checkpoint fails once), then the rest at once.
         target: each process's entry point (a test's fault-injecting wrapper of `serve`)."""
         num = params.num_engine_processes
-        cores = num_cores or len(os.sched_getaffinity(0))
+        cores = num_cores or usable_cores()
         check_cores(num, cores)
         threads = threads_per_process(params.num_threads, num, cores)
         if num * threads > cores:
