@@ -40,6 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fulcrum.server.app import LOOPBACK, create_app
     from fulcrum.server.early_refusal import EarlyRefusal
     from fulcrum.server.limits import EdgeLimits, protocol_with
+    from fulcrum.server.refusal_budget import RefusalBudget, RefusalGovernor
     from fulcrum.service import Service, ServiceSettings
 
     settings = ServiceSettings(
@@ -58,7 +59,15 @@ def _serve(args: argparse.Namespace) -> int:
         max_header_bytes=args.max_header_kb * 1024, max_headers=args.max_headers,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
     )  # fmt: skip
-    protocol = protocol_with(limits, EarlyRefusal(service))
+    budget = RefusalBudget(
+        refusals_per_s=args.refusals_per_connection,
+        burst=args.refusal_burst,
+        refusals_per_answer=args.refusals_per_answer,
+    )
+    governor = (
+        RefusalGovernor(budget, service.metrics.refusal_holds.inc) if budget.enabled else None
+    )
+    protocol = protocol_with(limits, EarlyRefusal(service), governor)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, loop="uvloop", http=protocol,
         access_log=False, log_level=args.log_level.lower(),
@@ -119,6 +128,16 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
         value = kind(text)
         if not value > 0:  # NaN too
             raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+        return value
+
+    return parse
+
+
+def _at_least(kind: Callable[[str], float], low: float) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not (math.isfinite(value) and value >= low):  # NaN and inf too
+            raise argparse.ArgumentTypeError(f"must be a number >= {low:g}: {text!r}")
         return value
 
     return parse
@@ -190,6 +209,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds an idle keep-alive connection is kept open (uvicorn's and vLLM's default "
         "5); behind a proxy or load balancer, set it above the proxy's idle timeout",
+    )
+    serve.add_argument(
+        "--refusals-per-connection",
+        type=_at_least(float, 0),
+        default=8.0,
+        help="refusal budget: 503s/429s with Retry-After a second one connection may be answered "
+        "(after --refusal-burst) while the server refuses more than --refusals-per-answer "
+        "requests per answer; past it the connection's next request is read only when the "
+        "budget allows, at most Retry-After later (a client retrying at once is slowed, for "
+        "free). 0: off",
+    )
+    serve.add_argument(
+        "--refusal-burst",
+        type=_at_least(int, 1),
+        default=8,
+        help="refusals one connection may take at once before its budget applies",
+    )
+    serve.add_argument(
+        "--refusals-per-answer",
+        type=_at_least(float, 0),
+        default=4.0,
+        help="connections are held only while the server refuses more than this many requests "
+        "per request it answers (an open-loop 3x overload refuses about 2); 0: at any ratio",
     )
     serve.add_argument(
         "--memory-budget-mb",

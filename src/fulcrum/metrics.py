@@ -98,6 +98,10 @@ class ServerMetrics:
             "Requests by lane taken and outcome: routed (its home lane), spilled (home lane "
             "saturated), failed_over (home lane down), refused (503; lane: the home lane).",
             ("model", "lane", "outcome"), registry=r)  # fmt: skip
+        self.refusal_holds = Counter(
+            "fulcrum_refusal_holds",
+            "Connections left unread for a while after a refusal past their refusal budget "
+            "(a client retrying 503s at once).", registry=r)  # fmt: skip
         self._series: dict[tuple[str, str, str], _Series] = {}
         self.lifecycle = LifecycleMetrics(r)
 

@@ -1,6 +1,6 @@
 """The HTTP connection at the edge, before the ASGI app: request-head limits (431), slow-client
-timeouts (408), the 503 a request still running when the drain timeout runs out receives, and
-idle closes that spare a request already arrived.
+timeouts (408), the 503 a request still running when the drain timeout runs out receives, idle
+closes that spare a request already arrived, and reads held past a refusal budget.
 
 uvicorn's httptools protocol (same parser, same uvloop) with these checks added; `protocol_with`
 binds the limits to a class that `uvicorn.Config(http=...)` accepts.
@@ -26,6 +26,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from fulcrum.errors import FulcrumError, HeadersTooLarge, RequestTimeout, Unavailable
 from fulcrum.pending_input import input_pending
 from fulcrum.server.http import error_body
+from fulcrum.server.refusal_budget import RefusalGovernor
 
 if TYPE_CHECKING:
     from uvicorn._types import (
@@ -69,6 +70,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     limits: ClassVar[EdgeLimits] = EdgeLimits()
     # Each may answer a request head at once (an overloaded model's 503); None: run the app.
     gates: ClassVar[tuple[Callable[[HTTPScope], ASGI3Application | None], ...]] = ()
+    refusals: ClassVar[RefusalGovernor | None] = None  # the refusal budget (None: off)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._in_head = True  # the next bytes belong to a request head
@@ -81,6 +83,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._refusals = None if self.refusals is None else self.refusals.connection(self.loop)
         super().connection_made(transport)
         # from the connection on: a client that connects and never sends is also closed
         self._header_timer = self._after(self.limits.header_timeout_s, self._header_timed_out)
@@ -89,6 +92,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._cancel_timers()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
+        if self._refusals is not None:
+            self._refusals.cancel()  # a held connection's next request will never come
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -162,8 +167,22 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_head, self._head_bytes = True, 0
         super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        refusals = self._refusals
+        delay_s = 0.0 if refusals is None else refusals.hold_s()
+        if refusals is None or delay_s <= 0 or self._draining or self.transport.is_closing():
+            super().on_response_complete()
+            return
+        # A refusal past the connection's budget: what the client sends next stays unread, and
+        # uvicorn's resume of reading (with any pipelined request) waits for the hold's end.
+        self.flow.pause_reading()
+        refusals.hold(delay_s, super().on_response_complete)
+
     def shutdown(self) -> None:
         self._draining = True
+        if self._refusals is not None and self._refusals.holding:  # serve what waits, then close
+            self._refusals.cancel()
+            super().on_response_complete()
         if self._discarding:
             self.transport.close()
             return
@@ -179,6 +198,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             if refusing is not None:
                 app = refusing
                 break
+        if self._refusals is not None:
+            app = self._refusals.watch(app)
         super()._start_asgi_task(cycle, self._answer_if_cut_off(cycle, app))
 
     def _answer_if_cut_off(
@@ -354,13 +375,16 @@ def _error_bytes(
 def protocol_with(
     limits: EdgeLimits,
     early_refusal: Callable[[HTTPScope], ASGI3Application | None] | None = None,
+    refusals: RefusalGovernor | None = None,
 ) -> type[LimitedHttpProtocol]:
     """A protocol class bound to `limits` (and a gate that may answer a head at once, see
-    `server.early_refusal`), for `uvicorn.Config(http=...)`."""
+    `server.early_refusal`; a refusal budget, see `server.refusal_budget`), for
+    `uvicorn.Config(http=...)`."""
 
     class BoundHttpProtocol(LimitedHttpProtocol):
         pass
 
     BoundHttpProtocol.limits = limits
     BoundHttpProtocol.gates = () if early_refusal is None else (early_refusal,)
+    BoundHttpProtocol.refusals = refusals
     return BoundHttpProtocol
