@@ -9,7 +9,11 @@ on a free 127.0.0.1 port, runs `fulcrum bench tiny-llama --openai` (closed loop,
 each concurrency, and stops the server. Prints tok/s, TTFT and ITL P50/P99 per run, and each
 mode's ratios to the first mode within each repeat (the modes of a repeat run back to back, their
 order rotating between repeats). A mode may name its engine's torch threads: `process:1`;
-`processN` runs N engine processes (`num_engine_processes = N`): `process2:1`.
+`processN` runs N engine processes (`num_engine_processes = N`): `process2:1`. Also prints the
+server process's CPU (its own threads: event loop, HTTP, pipe readers) and its engine
+processes' over each point's bench call, in cores and in microseconds per output token
+(approximate: the call's warm-up and start count, at the point's tok/s). --src runs the server
+from another tree's src (a before/after comparison).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from health_under_flood import serving
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 PYTHON = sys.executable
 
@@ -49,7 +54,31 @@ def build_repo(root: Path, mode: str, max_num_seqs: int, num_threads: int) -> Pa
     return repo
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process so far; 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is pid (the server's engine processes; ours: the server)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def bench(base: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
+    (server,) = children(os.getpid())
+    engines = children(server)
+    server0, engines0, wall0 = cpu_s(server), sum(map(cpu_s, engines)), time.perf_counter()
     subprocess.run(
         [PYTHON, "-m", "fulcrum.cli", "bench", "tiny-llama", "--url", base, "--openai",
          "--concurrency", str(concurrency), "--max-tokens", str(args.max_tokens),
@@ -57,9 +86,15 @@ def bench(base: str, concurrency: int, args: argparse.Namespace, out: Path) -> d
          "--out", str(out)],
         check=True, stdout=subprocess.DEVNULL, timeout=600,
     )  # fmt: skip
+    wall_s = time.perf_counter() - wall0
+    server_s, engines_s = cpu_s(server) - server0, sum(map(cpu_s, engines)) - engines0
     point = json.loads((out / "results.json").read_text())["points"][0]
     llm = point["llm"]
+    num_tokens = max(1.0, llm["output_tokens_per_s"] * wall_s)
     return {
+        "server_cores": server_s / wall_s,
+        "engine_cores": engines_s / wall_s,
+        "server_us_per_token": server_s / num_tokens * 1e6,
         "tok_s": llm["output_tokens_per_s"],
         "ttft_p50": llm["ttft"]["p50_ms"],
         "ttft_p99": llm["ttft"]["p99_ms"],
@@ -72,7 +107,7 @@ def bench(base: str, concurrency: int, args: argparse.Namespace, out: Path) -> d
 def serve_and_bench(repo: Path, args: argparse.Namespace, out: Path) -> dict[int, dict[str, float]]:
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "serve.log"
-    with serving(repo, SRC, log_path, model="tiny-llama") as (base, _port):
+    with serving(repo, args.src, log_path, model="tiny-llama") as (base, _port):
         try:
             return {c: bench(base, c, args, out / f"c{c}") for c in args.concurrency}
         except BaseException:
@@ -83,7 +118,8 @@ def serve_and_bench(repo: Path, args: argparse.Namespace, out: Path) -> dict[int
 def row(label: str, m: dict[str, float]) -> str:
     return (
         f"{label:<22} {m['tok_s']:>8.0f} {m['ttft_p50']:>9.1f} {m['ttft_p99']:>9.1f} "
-        f"{m['itl_p50']:>8.2f} {m['itl_p99']:>8.2f} {m['errors']:>6.0f}"
+        f"{m['itl_p50']:>8.2f} {m['itl_p99']:>8.2f} {m['errors']:>6.0f} "
+        f"{m['server_cores']:>7.2f} {m['engine_cores']:>7.2f} {m['server_us_per_token']:>8.1f}"
     )
 
 
@@ -107,7 +143,7 @@ def main() -> int:
                 out = root / f"{mode.replace(':', '-')}{r}"
                 results[mode].append(serve_and_bench(repos[mode], args, out))
     print(f"\n{'run':<22} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} "
-          f"{'itl p99':>8} {'errors':>6}")  # fmt: skip
+          f"{'itl p99':>8} {'errors':>6} {'server':>7} {'engines':>7} {'us/tok':>8}")  # fmt: skip
     for c in args.concurrency:
         for r in range(args.repeats):
             for mode in modes:
@@ -137,6 +173,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads of the engine")
+    parser.add_argument("--src", type=Path, default=SRC, help="the tree whose src is served")
     parser.add_argument("--modes", default="thread,process", type=lambda s: s.split(","),
                         help="thread / process / processN, each :num_threads or not")  # fmt: skip
     return parser.parse_args()

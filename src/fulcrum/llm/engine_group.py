@@ -137,6 +137,9 @@ class EngineGroupClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sink: EngineSink | None = None
         self._stopping = False
+        # Single processes restarted while the others served (the group's own restarts, with
+        # every process down, are the model's: AsyncLLMEngine counts those).
+        self.num_restarts = 0
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -281,6 +284,7 @@ class EngineGroupClient:
             return
         if restarted:
             self._trackers[index].on_restart(self.front.clock.now())
+            self.num_restarts += 1
             self.metrics.restarts.inc()
             log.warning("engine process of %r restarted (pid %d)",
                         self.model_name, self.children[index].pid)  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from fulcrum.errors import ModelError
 from fulcrum.llm.detokenizer import IncrementalDetokenizer
@@ -23,10 +24,14 @@ from fulcrum.llm.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class _Tracked:
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # with stop strings
     # The add's command number: a report made before the process took it (num_applied lower)
     # can only hold rows of an earlier request of the same id.
     number: int
+    # Without stop strings: the detokenizer's DecodeStream, stepped directly. Nothing is then
+    # held back, so the text is exactly the stream's pieces, and the Python around them per
+    # token (about a third of the reader's time per token) goes.
+    stream: DecodeStream | None
 
 
 @dataclass(slots=True)
@@ -51,8 +56,12 @@ class OutputProcessor:
 
     def add(self, request_id: str, sampling: SamplingParams, number: int) -> None:
         """Track a request whose add is command `number` of the process."""
-        detokenizer = IncrementalDetokenizer.for_request(self._tokenizer, sampling)
-        self._requests[request_id] = _Tracked(detokenizer, number)
+        if sampling.stop:
+            detokenizer = IncrementalDetokenizer.for_request(self._tokenizer, sampling)
+            self._requests[request_id] = _Tracked(detokenizer, number, None)
+        else:
+            stream = DecodeStream(skip_special_tokens=sampling.skip_special_tokens)
+            self._requests[request_id] = _Tracked(None, number, stream)
 
     def forget(self, request_id: str) -> None:
         """Drop a request (aborted, refused): its later rows are ignored."""
@@ -70,7 +79,7 @@ class OutputProcessor:
             if tracked is None or tracked.number > num_applied:
                 continue  # forgotten, or a late row of a finished namesake
             try:
-                output = self._output(tracked.detokenizer, row)
+                output = self._output(tracked, row)
             except Exception as exc:  # e.g. the detokenizer on a bad token: only this request
                 self._requests.pop(row[0], None)
                 step.failed.append(row[0])
@@ -83,13 +92,23 @@ class OutputProcessor:
             step.outputs.append(output)
         return step
 
-    def _output(self, detokenizer: IncrementalDetokenizer, row: OutputRow) -> RequestOutput:
+    def _output(self, tracked: _Tracked, row: OutputRow) -> RequestOutput:
         (request_id, token_ids, _, reason, num_prompt, num_output, num_cached, error,
          logprobs, prompt_logprobs) = row  # fmt: skip
         usage = Usage(num_prompt, num_output, num_cached)
         if error is not None:  # this request alone failed in the process
             self._requests.pop(request_id, None)
             return RequestOutput(request_id, [], "", "error", usage, error=error)
+        stream = tracked.stream
+        if stream is not None:
+            tokenizer = self._tokenizer
+            text = "".join([piece for t in token_ids if (piece := stream.step(tokenizer, t))])
+            if reason is not None:
+                self._requests.pop(request_id, None)
+            return RequestOutput(request_id, token_ids, text, reason, usage, None, logprobs or [],
+                                 prompt_logprobs)  # fmt: skip
+        detokenizer = tracked.detokenizer
+        assert detokenizer is not None  # one of the two, by add
         for token_id in token_ids:
             detokenizer.add(token_id)
         # A stop string ends a running request; one the step ended anyway (length, EOS, a

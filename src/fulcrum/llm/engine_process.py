@@ -4,7 +4,8 @@ A sender thread batches the loop's commands into one message; a reader thread tu
 token ids into text (`engine_outputs`), hands the outputs to the loop with one
 `call_soon_threadsafe`, and replays the step's metrics. A dead process (killed, exited, a failed
 step) is reported as a crash naming its pid and exit status; one that holds requests but sends
-no step for engine_step_timeout_s is killed and reported as stalled."""
+no step for engine_step_timeout_s is killed and reported as stalled. A client never stopped is
+stopped at interpreter exit (or when collected), so its process never holds the exit."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import multiprocessing
 import os
 import signal
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.util import Finalize
 from pathlib import Path
 
 from fulcrum.errors import ModelError
@@ -36,6 +39,11 @@ OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 # One start at a time: _passive_omp sets the environment the child inherits for the length of a
 # start, so two at once (an engine group loading, restarts) could start one without it.
 _START_LOCK = threading.Lock()
+# A client never stopped is stopped this long after interpreter exit begins (then killed).
+EXIT_STOP_TIMEOUT_S = 2.0
+# Runs before multiprocessing's own exit handler, which SIGTERMs daemon children and then joins
+# them: the engine process ignores SIGTERM (the server drains it), so that join never ended.
+_EXIT_PRIORITY = 10
 
 
 class EngineProcessDied(ModelError):
@@ -89,7 +97,8 @@ class ProcessEngineClient:
         self._sink: EngineSink | None = None
         self._life = threading.Lock()  # one spawn or stop at a time
         self._stopping = False
-        self._gen = self._spawn()
+        # The current generation, in a box the exit finalizer shares without holding self.
+        self._current = [self._spawn()]
         try:
             self.front = self._front(self._gen.ready)
         except BaseException:  # no tokenizer, say: the loaded process must not outlive us
@@ -98,6 +107,8 @@ class ProcessEngineClient:
             raise
         # Text and stop strings of the requests in flight, off the stepping process.
         self.outputs = OutputProcessor(self.front.tokenizer)
+        args = (weakref.ref(self), self._current)
+        Finalize(self, _stop_at_exit, args=args, exitpriority=_EXIT_PRIORITY)
 
     def _front(self, ready: Ready) -> EngineFront:
         params = self.params
@@ -114,6 +125,10 @@ class ProcessEngineClient:
             max_model_len=ready.max_model_len,
             metrics=self.metrics,
         )
+
+    @property
+    def _gen(self) -> _Generation:
+        return self._current[0]
 
     @property
     def pid(self) -> int:
@@ -160,7 +175,7 @@ class ProcessEngineClient:
             gen = self._spawn()
             if self.front.max_model_len != gen.ready.max_model_len:  # never: same files
                 raise ModelError("the restarted engine process reports another max_model_len")
-            self._gen = gen
+            self._current[0] = gen
             self._start_threads(gen)
 
     def stop(self, timeout_s: float) -> None:
@@ -321,6 +336,24 @@ class ProcessEngineClient:
             for request_id in step.failed:
                 self._send(gen, request_id)
             call_in_loop(self._loop, sink.on_step, step.outputs, report.errors)
+
+
+def _stop_at_exit(ref: weakref.ref[ProcessEngineClient], current: list[_Generation]) -> None:
+    """At interpreter exit, or when a client is collected: stop its process unless it was."""
+    client = ref()
+    if client is not None:
+        if not client._stopping:
+            client.stop(EXIT_STOP_TIMEOUT_S)
+        return
+    gen = current[0]  # collected: never started (its threads would hold it), maybe stopped
+    if gen.process.is_alive():
+        with contextlib.suppress(OSError):
+            gen.conn.send([None])
+        gen.process.join(EXIT_STOP_TIMEOUT_S)
+        if gen.process.is_alive():
+            gen.process.kill()
+            gen.process.join()
+    gen.conn.close()
 
 
 @contextlib.contextmanager

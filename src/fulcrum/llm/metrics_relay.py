@@ -6,7 +6,10 @@ mode."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from fulcrum.llm.metrics import LLMMetrics
 
@@ -34,9 +37,7 @@ class MetricEvents:
     def replay(self, metrics: LLMMetrics) -> None:
         """Apply the recorded calls to the server's instruments."""
         for name, values in self.samples.items():
-            histogram = getattr(metrics, name)
-            for value in values:
-                histogram.observe(value)
+            observe_all(getattr(metrics, name), values)
         for name, value in self.gauges.items():
             getattr(metrics, name).set(value)
         for name, amount in self.counts.items():
@@ -45,6 +46,24 @@ class MetricEvents:
             metrics.request_finished(reason)
         for reason in self.shed:
             metrics.request_shed(reason)
+
+
+def observe_all(histogram: Any, values: list[float]) -> None:
+    """Observe each value as Histogram.observe does (the first bucket whose bound is >= it, and
+    the sum), one update per bucket touched: a step's inter-token latencies, one observe each,
+    cost the server's reader 2.5 us a token. Reaches prometheus_client's histogram internals;
+    anything without them (another version, a test's fake) gets plain observes."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(values) < 2:
+        for value in values:
+            histogram.observe(value)
+        return
+    # NaN (v != v) lands in no bucket, as with observe; the sum takes it all the same.
+    for index, count in Counter([bisect_left(bounds, v) for v in values if v == v]).items():
+        buckets[index].inc(count)
+    total.inc(sum(values))
 
 
 class _Histogram:
