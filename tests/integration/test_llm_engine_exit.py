@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from fulcrum.llm.examples import build_tiny_llama
+from process_exit import pid_gone, wait_gone
 
 EXIT_BOUND_S = 30.0  # loading done: exiting takes a couple of seconds at most
 
@@ -65,14 +65,6 @@ def version_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory / "tiny-llama" / "1"
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
-
-
 @pytest.mark.parametrize("body", [_NEVER_STARTED, _MID_STREAM], ids=["never_started", "streaming"])
 def test_a_client_never_stopped_lets_the_interpreter_exit(
     tmp_path: Path, version_dir: Path, body: str
@@ -88,7 +80,7 @@ def test_a_client_never_stopped_lets_the_interpreter_exit(
     try:
         assert server.stdout is not None
         pids = [int(pid) for pid in server.stdout.readline().split()]
-        assert pids and not any(_pid_gone(pid) for pid in pids)
+        assert pids and not any(pid_gone(pid) for pid in pids)
         try:
             code = server.wait(EXIT_BOUND_S)
         except subprocess.TimeoutExpired:
@@ -96,10 +88,7 @@ def test_a_client_never_stopped_lets_the_interpreter_exit(
         assert server.stderr is not None
         assert code == 0, server.stderr.read()
         # Its engine processes went with it (exited, not orphaned to init).
-        deadline_s = time.monotonic() + 5.0
-        while not all(_pid_gone(pid) for pid in pids) and time.monotonic() < deadline_s:
-            time.sleep(0.05)  # another process's exit: nothing to block on
-        assert all(_pid_gone(pid) for pid in pids)
+        assert all(wait_gone(pid, 5.0) for pid in pids)
     finally:
         server.kill()
         server.wait()

@@ -32,6 +32,7 @@ from fulcrum.llm.params import EngineParams
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.supervisor import RestartPolicy
 from fulcrum.llm.sync_engine import LLMEngine
+from process_exit import pid_gone, wait_gone
 
 # One torch thread each, as the thread engine compared against: the same float sums.
 PARAMS = EngineParams(num_kv_blocks=64, num_engine_processes=2, num_threads=1)
@@ -93,23 +94,6 @@ def _same(got: list[list[object]], expected: list[list[object]]) -> None:
         assert g[-1] == pytest.approx(e[-1], rel=1e-4)
 
 
-def _pid_gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline_s = time.monotonic() + timeout_s
-    while not _pid_gone(pid):
-        if time.monotonic() > deadline_s:
-            return False
-        time.sleep(0.05)  # another process's exit: nothing to block on
-    return True
-
-
 async def _until(condition: object, timeout_s: float = 20.0) -> None:
     assert callable(condition)
     deadline_s = time.monotonic() + timeout_s
@@ -154,7 +138,7 @@ async def test_same_tokens_as_the_thread_spread_over_both_and_stopped_cleanly(
     assert value("fulcrum_llm_num_requests_running", LABELS) == 0.0
     await engine.stop()
     assert [child._gen.process.exitcode for child in client.children] == [0, 0]
-    assert all(_pid_gone(pid) for pid in pids)
+    assert all(pid_gone(pid) for pid in pids)
 
 
 async def test_an_abort_goes_to_the_process_holding_the_request(
@@ -195,7 +179,7 @@ async def test_a_killed_process_fails_only_its_requests_and_restarts(
     rest = [o async for o in streams["b"]]
     assert engine.is_healthy and rest[-1].finish_reason == "length"
     await _until(lambda: client.children[victim].is_alive)  # restarted by the group
-    assert client.children[victim].pid != dead_pid and _wait_gone(dead_pid, 5.0)
+    assert client.children[victim].pid != dead_pid and wait_gone(dead_pid, 5.0)
     short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = await asyncio.gather(*(_collect(engine.generate("Hi", short)) for _ in range(4)))
     assert all(out[1] == "length" for out in outs)
@@ -260,7 +244,7 @@ def test_from_config_builds_the_group(version_dir: Path) -> None:
     client = engine._client
     assert isinstance(client, EngineGroupClient) and len(engine.child_pids) == 2
     client.stop(5.0)
-    assert all(_wait_gone(pid, 5.0) for pid in engine.child_pids)
+    assert all(wait_gone(pid, 5.0) for pid in engine.child_pids)
 
 
 _ORPHAN_SCRIPT = """
@@ -292,10 +276,10 @@ def test_the_engine_processes_exit_when_the_server_dies(tmp_path: Path, version_
     try:
         assert server.stdout is not None
         pids = [int(pid) for pid in server.stdout.readline().split()]
-        assert len(pids) == 2 and not any(_pid_gone(pid) for pid in pids)
+        assert len(pids) == 2 and not any(pid_gone(pid) for pid in pids)
         server.kill()  # SIGKILL: no cleanup of its own
         server.wait()
-        assert all(_wait_gone(pid, 10.0) for pid in pids)
+        assert all(wait_gone(pid, 10.0) for pid in pids)
     finally:
         server.kill()
         server.wait()

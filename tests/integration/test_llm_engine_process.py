@@ -33,6 +33,7 @@ from fulcrum.llm.params import EngineParams
 from fulcrum.llm.sampling_params import SamplingParams
 from fulcrum.llm.supervisor import RestartPolicy
 from fulcrum.llm.sync_engine import LLMEngine
+from process_exit import pid_gone, wait_gone
 
 PARAMS = EngineParams(num_kv_blocks=64, engine_process=True)
 LABELS = {"model": "tiny", "version": "1", "variant": "default"}
@@ -85,23 +86,6 @@ async def _collect(engine: AsyncLLMEngine, prompt: str, sampling: SamplingParams
         [(lp.token_id, lp.logprob, lp.top) for o in outs for lp in o.new_logprobs],
         outs[-1].usage,
     ]
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")  # exited, not yet reaped by whoever adopted it
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline_s = time.monotonic() + timeout_s
-    while not _pid_gone(pid):
-        if time.monotonic() > deadline_s:
-            return False
-        time.sleep(0.05)  # waiting for another process to exit: nothing to block on
-    return True
 
 
 async def test_same_outputs_as_the_thread_and_metrics_relayed(version_dir: Path) -> None:
@@ -161,7 +145,7 @@ async def test_a_killed_process_fails_its_requests_and_is_restarted(version_dir:
     assert engine._restart_task is not None
     await engine._restart_task  # a new process, which loads the weights again
     assert engine.is_healthy and client.pid != first_pid and engine.num_restarts == 1
-    assert _wait_gone(first_pid, 5.0)
+    assert wait_gone(first_pid, 5.0)
     short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len([o async for o in engine.generate("Hello", short)]) == 4
     errors = {**LABELS, "finished_reason": "error"}
@@ -282,10 +266,10 @@ def test_the_engine_process_exits_when_the_server_dies(tmp_path: Path, version_d
     try:
         assert server.stdout is not None
         child_pid = int(server.stdout.readline())
-        assert not _pid_gone(child_pid)
+        assert not pid_gone(child_pid)
         server.kill()  # SIGKILL: no atexit, no cleanup of its own
         server.wait()
-        assert _wait_gone(child_pid, 10.0)  # it read EOF on the pipe and exited
+        assert wait_gone(child_pid, 10.0)  # it read EOF on the pipe and exited
     finally:
         server.kill()
         server.wait()
