@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,12 +90,16 @@ def test_a_full_queue_answers_from_the_head_and_the_connection_stays_usable(url:
     head = (b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: a\r\nX-Request-Id: abc-1\r\n"
             b"Content-Length: %d\r\n\r\n" % len(garbage))  # fmt: skip
     try:
-        for _ in range(100):
+        # Until the busy clients fill the queue (on a loaded machine their first requests can
+        # take a while to arrive; 100 quick tries once ran out before they did).
+        deadline_s = time.monotonic() + 30.0
+        while time.monotonic() < deadline_s:
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
                 sock.sendall(head + garbage)
                 refused = read_response(sock)
                 if refused.startswith(b"HTTP/1.1 400 "):
-                    continue  # decoded: the queue was between two requests
+                    time.sleep(0.01)  # decoded: the queue was not full yet, or between requests
+                    continue
                 assert refused.startswith(b"HTTP/1.1 503 "), refused
                 lower = refused.lower()
                 assert b"\r\nretry-after: " in lower and b"\r\nx-request-id: abc-1\r\n" in lower
