@@ -1,13 +1,13 @@
 """Both ends of the load range (`adaptive_vs_static.py --ends`): Fulcrum beside the simplest
 server a user could write, in one run, open loop.
 
-Servers, all up at once on 127.0.0.1 and measured in turn, interleaved per rate and repeat with the
-same arrival times: `fulcrum serve --model minilm` with the shipped config (minilm ships `policy =
-"adaptive"`); the same under Triton's batching rules (`policy = "triton"`, a second server on a
-copy of the repository); any `--variant NAME:KEY=VALUE,...` (more copies, e.g.
-`spin:parameters.allow_spinning=true` to see what one setting contributes); and
-memory_at_rest.py's bare FastAPI + ONNX Runtime app, here with ONNX Runtime's default session
-options (threads = cores, spinning on).
+Servers, all up at once on 127.0.0.1 and measured in turn (each point starting one server further
+on), interleaved per rate and repeat with the same arrival times: `fulcrum serve --model minilm`
+with the shipped config (minilm ships `policy = "adaptive"`); the same under Triton's batching
+rules (`policy = "triton"`, a second server on a copy of the repository); any `--variant
+NAME:KEY=VALUE,...` (more copies, e.g. `spin:parameters.allow_spinning=true` to see what one
+setting contributes); and memory_at_rest.py's bare FastAPI + ONNX Runtime app, here with ONNX
+Runtime's default session options (threads = cores, spinning on).
 
 Light load: Poisson at 2, 5 and 10 requests/s, P50 and P99, each --light-repeats times. Mid load:
 50% and 80% of the capacity under Triton's rules (the adaptive policy's 503s would lower it), each
@@ -188,8 +188,10 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
                 for r in light]  # fmt: skip
         plan += [(f"{f:.0%} cap", f * capacity, args.mid_s, k) for k in range(args.repeats)
                  for f in mid]  # fmt: skip
-        for label, rate, seconds, k in plan:
-            for server in all_servers:
+        for i, (label, rate, seconds, k) in enumerate(plan):
+            # Each point starts one server further on, so an effect of going first (or right
+            # after another server's run) reaches every server alike.
+            for server in all_servers[i % len(all_servers) :] + all_servers[: i % len(all_servers)]:
                 p = point(server, rate, seconds, slo, seed=args.seed + k)
                 server.points.setdefault(label, []).append(p)
                 print(f"  {server.name:34} {label:>8} ({rate:5.1f}/s) P50 {p.latency.p50_ms:6.1f}"
