@@ -77,6 +77,9 @@ class Busy:
                 except httpx.HTTPError:  # the server went away (the SIGTERM test)
                     return
                 self.num_answered += response.status_code == 200
+                retry_after = response.headers.get("retry-after")
+                if retry_after is not None:  # polite: a busy client that stormed would be held
+                    self.stop.wait(int(retry_after))
 
     def __enter__(self) -> Busy:
         for thread in self.threads:
