@@ -15,7 +15,8 @@ each round starting one kind further on), the first 10 requests of each run unme
 Kinds: `fulcrum` (the repository's config), `bare`
 (ORT defaults: threads = cores, spinning on), `bare_tuned` (2 threads, no spinning, as
 Fulcrum's minilm), `fulcrum_spin` (spinning within runs), `fulcrum_t1` (one intra-op thread),
-`fulcrum_idle_spin` (`spin_when_idle`), `fulcrum_dbb` (`dynamic_block_base = 4`). Each
+`fulcrum_idle_spin` (`spin_when_idle`), `fulcrum_dbb` (`dynamic_block_base = 4`), `fulcrum_stop`
+(`spin_between_runs = false`: spinning stops when a run returns). Each
 kind's parameters are merged into the config's as the backend reads them (before 2026-12-02
 only the session options saw them, so `fulcrum_idle_spin` built no second session).
 """
@@ -43,6 +44,7 @@ KIND_PARAMETERS: dict[str, dict[str, object]] = {
     "fulcrum_spin": {"allow_spinning": True},
     "fulcrum_t1": {"intra_op_threads": 1},
     "fulcrum_idle_spin": {"spin_when_idle": True},
+    "fulcrum_stop": {"spin_between_runs": False},
     "fulcrum_dbb": {"dynamic_block_base": 4},
 }
 TEXT = "The quick brown fox jumps over the lazy dog near the quiet river bank today."

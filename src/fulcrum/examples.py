@@ -88,9 +88,10 @@ dynamic_block_base = 4
 # longest: big batches then cost no more padding than small ones.
 length_bucket_rows = 8
 # At light load a lone request runs on a second session (sharing the embedding table, ~50 MiB)
-# whose pool threads spin within its runs: without spinning, each parallel operator of a lone
-# row waits for a sleeping pool thread, 4-5 ms of a ~14 ms row on a 2-core AVX2 VM
-# (benchmarks/light_path.py). Under load batches keep the non-spinning session, and a session
+# whose pool threads spin (within its runs and ~50 ms after, ONNX Runtime's default; stopping the
+# spin when a run returns left the next run as slow as no spinning): without spinning, each
+# parallel operator of a lone row waits for a sleeping pool thread, 4-6 ms of a ~14 ms row on a
+# 2-core AVX2 VM (benchmarks/light_path.py). Under load batches keep the non-spinning session, and a session
 # measured slower (where spinning loses) gets only every 8th lone run.
 spin_when_idle = true
 """

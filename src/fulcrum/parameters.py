@@ -32,7 +32,10 @@ class OnnxParameters(_Params, frozen=True):
     inter_op_threads: NonNegInt = 0
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
     allow_spinning: bool = False
-    spin_between_runs: bool = False  # False: pool threads stop spinning when a run returns
+    # A spinning session's pool goes on spinning ~50 ms after a run (ORT's default) unless False
+    # (`session.force_spinning_stop`): measured, the run after a forced stop is no faster than
+    # without spinning at all, so None (unset) keeps ORT's default. Moot without spinning.
+    spin_between_runs: bool | None = None
     spin_when_idle: bool = False  # True: a second, spinning session runs lone batches when sparse
     # ... while the instance idles at least this long between runs (smoothed; end to start)
     spin_idle_gap_ms: NonNegFloat = 50.0

@@ -188,13 +188,14 @@ def test_spinning_is_off_by_default() -> None:
     assert _entry(options, "session.force_spinning_stop") is None
 
 
-def test_allowed_spinning_stops_when_a_run_returns_unless_asked_to_go_on() -> None:
-    within_runs = session_options(OnnxParameters(allow_spinning=True))
+def test_allowed_spinning_goes_on_after_a_run_unless_asked_to_stop() -> None:
+    for between in (None, True):  # unset: ONNX Runtime's default, as explicitly true
+        options = session_options(OnnxParameters(allow_spinning=True, spin_between_runs=between))
+        assert _entry(options, "session.intra_op.allow_spinning") == "1"
+        assert _entry(options, "session.force_spinning_stop") is None
+    within_runs = session_options(OnnxParameters(allow_spinning=True, spin_between_runs=False))
     assert _entry(within_runs, "session.intra_op.allow_spinning") == "1"
     assert _entry(within_runs, "session.force_spinning_stop") == "1"
-    between_runs = session_options(OnnxParameters(allow_spinning=True, spin_between_runs=True))
-    assert _entry(between_runs, "session.intra_op.allow_spinning") == "1"
-    assert _entry(between_runs, "session.force_spinning_stop") is None
 
 
 def test_dynamic_block_base_reaches_both_sessions_and_is_off_by_default(version_dir: Path) -> None:
@@ -227,14 +228,15 @@ def test_spinning_between_runs_without_spinning_is_a_config_error(version_dir: P
         OnnxBackend(make_config(spin_between_runs=True), version_dir)
 
 
-def test_spin_between_runs_keeps_the_spin_when_idle_session_spinning_after_its_runs(
+def test_spin_between_runs_false_stops_the_spin_when_idle_session_when_a_run_returns(
     version_dir: Path,
 ) -> None:
-    backend = OnnxBackend(make_config(spin_when_idle=True, spin_between_runs=True), version_dir)
+    backend = OnnxBackend(make_config(spin_when_idle=True, spin_between_runs=False), version_dir)
     assert backend.lone_session is not None
     spinning = backend.lone_session.get_session_options()
     assert _entry(spinning, "session.intra_op.allow_spinning") == "1"
-    assert _entry(spinning, "session.force_spinning_stop") is None  # ORT's default: spins on
+    assert _entry(spinning, "session.force_spinning_stop") == "1"  # within its runs only
+    assert _entry(backend.session.get_session_options(), "session.force_spinning_stop") is None
     shared_options = backend.session.get_session_options()
     assert _entry(shared_options, "session.intra_op.allow_spinning") == "0"
     backend.close()
@@ -279,7 +281,7 @@ def test_spin_when_idle_runs_lone_batches_on_a_second_spinning_session(
     assert backend.lone_session is not None
     spinning = backend.lone_session.get_session_options()
     assert _entry(spinning, "session.intra_op.allow_spinning") == "1"
-    assert _entry(spinning, "session.force_spinning_stop") == "1"  # within its runs only
+    assert _entry(spinning, "session.force_spinning_stop") is None  # ORT's default: spins on
     shared_options = backend.session.get_session_options()
     assert _entry(shared_options, "session.intra_op.allow_spinning") == "0"
     shared, lone = RecordingSession(backend.session), RecordingSession(backend.lone_session)

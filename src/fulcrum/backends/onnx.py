@@ -54,8 +54,8 @@ _ORT_TYPES: dict[str, np.dtype[np.generic]] = {
 
 def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.SessionOptions:
     """ORT session options from a model's parameters; `lone`: the `spin_when_idle` session,
-    whose pool spins within its runs (between them too with `spin_between_runs`)."""
-    if params.spin_between_runs and not (params.allow_spinning or params.spin_when_idle):
+    whose pool spins (and goes on spinning after a run unless `spin_between_runs = false`)."""
+    if params.spin_between_runs is True and not (params.allow_spinning or params.spin_when_idle):
         raise ConfigError(
             "parameter 'spin_between_runs' = true: needs allow_spinning or spin_when_idle = true"
         )
@@ -69,12 +69,14 @@ def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.Sessio
     options.graph_optimization_level = _OPT_LEVELS[params.graph_optimization_level]
     # ORT's pool threads spin-wait for work by default; on a small machine the spinning steals
     # the cores the event loop and the other models need, so spinning is opt-in. Within a run it
-    # saves a sleeping worker's wake-up per parallel operator; between runs it only burns a core
-    # (the loop's, while it answers and parses), so by default it stops when a run returns.
+    # saves a sleeping worker's wake-up per parallel operator. Stopping it when a run returns
+    # (`session.force_spinning_stop`) saves ~60 ms of CPU a run, but the next run is then as slow
+    # as with no spinning at all (a lone minilm row: 15 against 9 ms; benchmarks/RESULTS.md), so
+    # only an explicit `spin_between_runs = false` asks for it.
     spin = "1" if params.allow_spinning or lone else "0"
     options.add_session_config_entry("session.intra_op.allow_spinning", spin)
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
-    if (params.allow_spinning or lone) and not params.spin_between_runs:
+    if (params.allow_spinning or lone) and params.spin_between_runs is False:
         options.add_session_config_entry("session.force_spinning_stop", "1")
     if params.dynamic_block_base:
         # Static splitting gives each pool thread an equal share up front: on cores shared with
