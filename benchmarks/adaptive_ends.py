@@ -15,7 +15,9 @@ repeated --repeats times (P99 of each and their spread). Then the highest Poisso
 failure counting as late) is <= the SLO, by the load generator's bisection (`max_rate_under`), for
 each server, in turn, --search-repeats times. Every repeat runs all servers before the next repeat
 starts, so a drift of the shared machine reaches every server alike. Last, each server's CPU
-seconds over --idle-s seconds with no requests (all servers idle at once).
+seconds over --idle-s seconds with no requests (all servers idle at once). Every point prints the
+median of each server's own time (Server-Timing `total`) and of the rest (send to answer, less
+it); --split makes the bare app answer that header too, timing its handler as Fulcrum does.
 """
 
 from __future__ import annotations
@@ -53,6 +55,19 @@ TUNED_ORT = """options.intra_op_num_threads = 2
 options.add_session_config_entry("session.intra_op.allow_spinning", "0")
 options.add_session_config_entry("session.inter_op.allow_spinning", "0")
 """
+# --split: the bare app's handler timed as Fulcrum times its own (handler start to answer built).
+TIMED = {
+    "from fastapi import FastAPI\n": "import time\n\nfrom fastapi import FastAPI, Response\n",
+    "def embed(body: dict[str, list[str]]) -> dict[str, list[list[float]]]:\n":
+        "def embed(body: dict[str, list[str]], response: Response)"
+        " -> dict[str, list[list[float]]]:\n"
+        "    start_s = time.perf_counter()\n",
+    '    return {"embeddings": session.run(["embedding"], feeds)[0].tolist()}\n':
+        '    out = session.run(["embedding"], feeds)[0].tolist()\n'
+        '    total_ms = (time.perf_counter() - start_s) * 1e3\n'
+        '    response.headers["Server-Timing"] = f"total;dur={total_ms:.3f}"\n'
+        '    return {"embeddings": out}\n',
+}  # fmt: skip
 TRITON = "fulcrum triton"  # the shipped config under Triton's batching rules
 BARE = "bare FastAPI + ORT (defaults)"
 
@@ -71,15 +86,22 @@ def add_ends_args(parser: argparse.ArgumentParser) -> None:
     add("--search-start", type=float, help="the search's first rate (default: half capacity)")
     add("--capacity", type=float, help="capacity, req/s (default: measured, Triton's rules)")
     add("--idle-s", type=float, default=30.0, help="seconds of idle CPU measured (0: skip)")
+    add("--split", action="store_true",
+        help="the bare app also answers a Server-Timing header (tokenize, compute, total), so "
+             "each point splits every server's time into its own and the rest")  # fmt: skip
     add("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
         help="one more Fulcrum server with these config.toml overrides")  # fmt: skip
 
 
-def bare_app() -> str:
-    """memory_at_rest's baseline app with ONNX Runtime's default session options."""
-    if TUNED_ORT not in BASELINE:
-        raise RuntimeError("memory_at_rest.BASELINE changed: update TUNED_ORT here")
-    return BASELINE.replace(TUNED_ORT, "")
+def bare_app(split: bool = False) -> str:
+    """memory_at_rest's baseline app with ONNX Runtime's default session options; `split`: its
+    handler also times itself into a Server-Timing header, as Fulcrum's answers carry one."""
+    app = BASELINE
+    for old, new in [(TUNED_ORT, ""), *(TIMED.items() if split else [])]:
+        if old not in app:
+            raise RuntimeError(f"memory_at_rest.BASELINE changed: no {old[:40]!r} to replace")
+        app = app.replace(old, new)
+    return app
 
 
 @dataclass
@@ -134,7 +156,13 @@ def servers(repo: Path, args: argparse.Namespace) -> Iterator[list[Server]]:
             out.append(Server(name, url, v2_requests(url, 256, args.words)))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-c", bare_app(), str(repo / "minilm" / "1"), str(port)]
+        command = [
+            sys.executable,
+            "-c",
+            bare_app(args.split),
+            str(repo / "minilm" / "1"),
+            str(port),
+        ]
         stack.enter_context(bare_server(command, f"{url}/health", logs / "bare.log"))
         out.append(Server(BARE, url, bare_requests(url, texts)))
         yield out
@@ -194,8 +222,16 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
             for server in all_servers[i % len(all_servers) :] + all_servers[: i % len(all_servers)]:
                 p = point(server, rate, seconds, slo, seed=args.seed + k)
                 server.points.setdefault(label, []).append(p)
+                split = (
+                    ""
+                    if p.header_total_p50_ms is None or p.outside_p50_ms is None
+                    else (
+                        f" (server {p.header_total_p50_ms:5.1f}, outside {p.outside_p50_ms:4.1f})"
+                    )
+                )
                 print(f"  {server.name:34} {label:>8} ({rate:5.1f}/s) P50 {p.latency.p50_ms:6.1f}"
-                      f" P99 {p.latency.p99_ms:7.1f} ms errors {p.errors}", flush=True)  # fmt: skip
+                      f"{split} P99 {p.latency.p99_ms:7.1f} ms errors {p.errors}",
+                      flush=True)  # fmt: skip
         for _ in range(0 if args.no_search else args.search_repeats):
             for server in all_servers:
                 start = args.search_start or max(8.0, 0.5 * capacity)

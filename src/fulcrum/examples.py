@@ -91,8 +91,8 @@ length_bucket_rows = 8
 # whose pool threads spin (within its runs and ~50 ms after, ONNX Runtime's default; stopping the
 # spin when a run returns left the next run as slow as no spinning): without spinning, each
 # parallel operator of a lone row waits for a sleeping pool thread, 4-6 ms of a ~14 ms row on a
-# 2-core AVX2 VM (benchmarks/light_path.py). Under load batches keep the non-spinning session, and a session
-# measured slower (where spinning loses) gets only every 8th lone run.
+# 2-core AVX2 VM (benchmarks/light_path.py). Under load batches keep the non-spinning session,
+# and a session measured slower (where spinning loses) gets only every 8th lone run.
 spin_when_idle = true
 """
 

@@ -83,7 +83,9 @@ class FakeSlot:
         if server.stall[0] <= start_s < server.stall[1]:
             start_s = server.stall[1]
         await server.timer.sleep_until(start_s + server.service_s)
-        return Outcome(200, num_rows=2, queue_ms=1.0, compute_ms=server.service_s * 1000)
+        return Outcome(
+            200, num_rows=2, queue_ms=1.0, compute_ms=server.service_s * 1000, total_ms=4.0
+        )
 
     def close(self) -> None:
         self.server.num_closed += 1
@@ -137,6 +139,9 @@ async def test_closed_loop_keeps_concurrency_and_measures_throughput() -> None:
     # Steady service: stable after the minimum three windows.
     assert point.stable and point.num_windows == 3 and len(windows) == 3
     assert point.header_queue_ms == 1.0 and point.header_compute_ms == pytest.approx(10)
+    # The server said 4 ms of each ~10 ms answer were its own: the other ~6 ms were outside it.
+    assert point.header_total_p50_ms == 4.0
+    assert point.outside_p50_ms == pytest.approx(6, abs=0.5)
 
 
 async def test_open_loop_falls_behind_when_slots_run_out() -> None:

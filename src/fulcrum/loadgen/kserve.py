@@ -167,6 +167,7 @@ class V2Slot:
             timing.get("queue"),
             timing.get("compute"),
             timing.get("batch"),
+            timing.get("total"),
         )
 
     def close(self) -> None:

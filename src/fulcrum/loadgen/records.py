@@ -23,6 +23,7 @@ class Outcome:
     queue_ms: float | None = None
     compute_ms: float | None = None
     batch_size: float | None = None  # rows in the batch this request ran in (Server-Timing)
+    total_ms: float | None = None  # the handler's own time, start to response built (Server-Timing)
     error: str = ""
     # LLM streams: when each output chunk arrived (perf_counter s) and output tokens.
     token_times_s: list[float] = field(default_factory=list)

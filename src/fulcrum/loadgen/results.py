@@ -49,6 +49,10 @@ class PointResult(msgspec.Struct, frozen=True, kw_only=True):
     header_queue_ms: float | None  # from Server-Timing headers
     header_compute_ms: float | None
     header_batch_size: float | None  # mean over requests of the batch each ran in
+    # Medians over answered requests with a Server-Timing `total`: the server's own time, and
+    # the rest of each request's time from send to answer (HTTP, transport, the client itself).
+    header_total_p50_ms: float | None = None
+    outside_p50_ms: float | None = None
     client_cpu: float  # share of one core
     num_behind: int  # open loop: sends late behind schedule
     max_lag_ms: float
@@ -93,6 +97,19 @@ def _error_key(status: int) -> str:
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
+
+
+def _outside_ms(ok: Sequence[RequestRecord]) -> list[float | None]:
+    """Per answer with a Server-Timing total: send to answer, less the server's own time."""
+    return [
+        None if r.outcome.total_ms is None else (r.done_s - r.sent_s) * 1e3 - r.outcome.total_ms
+        for r in ok
+    ]
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(np.median(present)) if present else None
 
 
 def _cdf_sample(latencies_s: np.ndarray) -> list[float]:
@@ -172,6 +189,8 @@ def summarize_point(
         header_queue_ms=_mean([r.outcome.queue_ms for r in ok]),
         header_compute_ms=_mean([r.outcome.compute_ms for r in ok]),
         header_batch_size=_mean([r.outcome.batch_size for r in ok]),
+        header_total_p50_ms=_median([r.outcome.total_ms for r in ok]),
+        outside_p50_ms=_median(_outside_ms(ok)),
         client_cpu=raw.client_cpu,
         num_behind=raw.num_behind,
         max_lag_ms=raw.max_lag_s * 1000.0,
