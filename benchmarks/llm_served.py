@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/llm_served.py [--concurrency 16,64,256] [--repeats 3]
         [--duration 10] [--max-tokens 64] [--num-threads 0] [--modes thread,process]
+        [--stream-interval 1,4]
 
 Builds tiny-llama (fulcrum.llm.examples) into one temporary repository per mode (max_num_seqs
 raised to the largest concurrency), and per repeat, alternating the modes, starts `fulcrum serve`
@@ -13,7 +14,10 @@ order rotating between repeats). A mode may name its engine's torch threads: `pr
 server process's CPU (its own threads: event loop, HTTP, pipe readers) and its engine
 processes' over each point's bench call, in cores and in microseconds per output token
 (approximate: the call's warm-up and start count, at the point's tok/s). --src runs the server
-from another tree's src (a before/after comparison).
+from another tree's src (a before/after comparison). --stream-interval serves each mode at each
+`stream_interval` (`process@4`: tokens handed out every 4), and the ratios then compare each
+interval with the first one of the same mode. ITL is the gap between streamed chunks (a chunk
+holds N tokens), TPOT (end to end less TTFT, per further token) compares the intervals.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from fulcrum.llm.examples import build_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 from health_under_flood import serving
+from llm_throughput import stream_intervals
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -38,10 +43,11 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 PYTHON = sys.executable
 
 
-def build_repo(root: Path, mode: str, max_num_seqs: int, num_threads: int) -> Path:
-    repo = root / mode.replace(":", "-")
+def build_repo(root: Path, label: str, max_num_seqs: int, num_threads: int) -> Path:
+    repo = root / label.replace(":", "-").replace("@", "-si")
     build_tiny_llama(repo)
-    mode, _, threads = mode.partition(":")
+    label, _, interval = label.partition("@")
+    mode, _, threads = label.partition(":")
     num_threads = int(threads) if threads else num_threads
     config = repo / "tiny-llama" / "config.toml"
     text = config.read_text().replace("max_num_seqs = 64", f"max_num_seqs = {max_num_seqs}")
@@ -50,6 +56,7 @@ def build_repo(root: Path, mode: str, max_num_seqs: int, num_threads: int) -> Pa
     if num_processes.isdigit():
         text += f"num_engine_processes = {num_processes}\n"
     text += f"num_threads = {num_threads}\n"
+    text += f"stream_interval = {interval or 1}\n"
     config.write_text(text)
     return repo
 
@@ -100,6 +107,7 @@ def bench(base: str, concurrency: int, args: argparse.Namespace, out: Path) -> d
         "ttft_p99": llm["ttft"]["p99_ms"],
         "itl_p50": llm["itl"]["p50_ms"],
         "itl_p99": llm["itl"]["p99_ms"],
+        "tpot_p50": llm["tpot"]["p50_ms"],
         "errors": float(point["num_requests"] - point["num_ok"]),
     }
 
@@ -118,7 +126,7 @@ def serve_and_bench(repo: Path, args: argparse.Namespace, out: Path) -> dict[int
 def row(label: str, m: dict[str, float]) -> str:
     return (
         f"{label:<22} {m['tok_s']:>8.0f} {m['ttft_p50']:>9.1f} {m['ttft_p99']:>9.1f} "
-        f"{m['itl_p50']:>8.2f} {m['itl_p99']:>8.2f} {m['errors']:>6.0f} "
+        f"{m['itl_p50']:>8.2f} {m['itl_p99']:>8.2f} {m['tpot_p50']:>8.2f} {m['errors']:>6.0f} "
         f"{m['server_cores']:>7.2f} {m['engine_cores']:>7.2f} {m['server_us_per_token']:>8.1f}"
     )
 
@@ -131,7 +139,11 @@ def spread(values: list[float]) -> str:
 def main() -> int:
     args = parse_args()
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}  load {os.getloadavg()}")
-    modes: list[str] = args.modes
+    modes = [
+        f"{m}@{n}" if len(args.stream_interval) > 1 else m
+        for m in args.modes
+        for n in args.stream_interval
+    ]
     results: dict[str, list[dict[int, dict[str, float]]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -143,25 +155,37 @@ def main() -> int:
                 out = root / f"{mode.replace(':', '-')}{r}"
                 results[mode].append(serve_and_bench(repos[mode], args, out))
     print(f"\n{'run':<22} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} "
-          f"{'itl p99':>8} {'errors':>6} {'server':>7} {'engines':>7} {'us/tok':>8}")  # fmt: skip
+          f"{'itl p99':>8} {'tpot p50':>8} {'errors':>6} {'server':>7} {'engines':>7} "
+          f"{'us/tok':>8}")  # fmt: skip
     for c in args.concurrency:
         for r in range(args.repeats):
             for mode in modes:
                 print(row(f"c={c} {mode} #{r + 1}", results[mode][r][c]))
-    base, repeats = modes[0], range(args.repeats)
-    print(f"\nratios to {base} within each repeat (tok/s; ITL P50 and TTFT P50: < 1 is better)")
-    for mode in modes[1:]:
+    repeats = range(args.repeats)
+    print("\nratios within each repeat (tok/s; ITL, TPOT and TTFT P50: < 1 is better)")
+    for mode in modes:
+        base = _base(mode, modes, args.stream_interval)
+        if base == mode:
+            continue
         for c in args.concurrency:
             ratios = {
                 key: [results[mode][r][c][key] / results[base][r][c][key] for r in repeats]
-                for key in ("tok_s", "itl_p50", "ttft_p50")
+                for key in ("tok_s", "itl_p50", "tpot_p50", "ttft_p50")
             }
             print(
-                f"{mode} c={c}: tok/s {spread(ratios['tok_s'])}; itl p50 "
-                f"{spread(ratios['itl_p50'])}; ttft p50 {spread(ratios['ttft_p50'])}"
+                f"{mode} / {base} c={c}: tok/s {spread(ratios['tok_s'])}; itl p50 "
+                f"{spread(ratios['itl_p50'])}; tpot p50 {spread(ratios['tpot_p50'])}; "
+                f"ttft p50 {spread(ratios['ttft_p50'])}"
             )
     print(f"load after: {os.getloadavg()}")
     return 0
+
+
+def _base(mode: str, modes: list[str], intervals: list[int]) -> str:
+    """What a mode's ratios are to: the same mode at the first interval, or the first mode."""
+    if len(intervals) > 1:
+        return f"{mode.partition('@')[0]}@{intervals[0]}"
+    return modes[0]
 
 
 def parse_args() -> argparse.Namespace:
@@ -176,6 +200,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--src", type=Path, default=SRC, help="the tree whose src is served")
     parser.add_argument("--modes", default="thread,process", type=lambda s: s.split(","),
                         help="thread / process / processN, each :num_threads or not")  # fmt: skip
+    parser.add_argument("--stream-interval", default=[1], type=stream_intervals,
+                        help="stream_interval values, comma-separated")  # fmt: skip
     return parser.parse_args()
 
 

@@ -3,7 +3,7 @@ client (event loop, pipe readers and senders), by thread, as llm_throughput driv
 
     .venv/bin/python benchmarks/llm_server_cpu.py [--engine process,process2] [--repeats 3]
         [--num-requests 512] [--rate 1000] [--max-num-seqs 256] [--max-num-batched-tokens 2048]
-        [--profile-loop PATH]
+        [--profile-loop PATH] [--stream-interval 1,4,8]
 
 Each repeat runs every --engine mode on the same uniform workload (prompt 16-256 tokens, output
 8-128) through AsyncLLMEngine.generate, one asyncio task per request, as llm_throughput's
@@ -12,6 +12,8 @@ the event loop's thread, the reader threads (unpickling each step's report, deto
 building outputs), the sender threads, and the rest. CPU time (thread clocks), not wall time:
 the figure that holds on a shared machine. Run it with PYTHONPATH=<other tree>/src to compare
 two trees; --profile-loop writes a cProfile of the event loop thread of the last run.
+--stream-interval runs each mode at each `stream_interval` (a request's tokens handed out every
+N), the settings' order rotating between repeats like the modes'.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llm_throughput import _drive, engine_mode, workload
+from llm_throughput import _drive, engine_mode, stream_intervals, workload
 
 from fulcrum.llm.engine import AsyncLLMEngine
 from fulcrum.llm.examples import build_tiny_llama
@@ -66,14 +68,18 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def run(mode: str, version_dir: Path, params: EngineParams, args: argparse.Namespace) -> str:
+async def run(
+    mode: str, interval: int, version_dir: Path, params: EngineParams, args: argparse.Namespace
+) -> str:
     from prometheus_client import CollectorRegistry
 
     from fulcrum.llm.engine_group import EngineGroupClient
     from fulcrum.llm.engine_process import ProcessEngineClient
 
     _, num = engine_mode(mode)
-    process_params = dataclasses.replace(params, engine_process=True, num_engine_processes=num)
+    process_params = dataclasses.replace(
+        params, engine_process=True, num_engine_processes=num, stream_interval=interval
+    )
     kind = EngineGroupClient if num > 1 else ProcessEngineClient
     metrics = LLMMetrics(CollectorRegistry(), "tiny-llama")
     client = await asyncio.to_thread(kind, version_dir, process_params, "tiny-llama", metrics)
@@ -101,7 +107,8 @@ async def run(mode: str, version_dir: Path, params: EngineParams, args: argparse
     parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_token.items()))
     load = os.getloadavg()[0]
     return (
-        f"{mode:9s} {num_tokens / elapsed_s:7.0f} tok/s  server CPU {total_us:5.1f} us/token "
+        f"{mode:9s} si {interval:<2d} {num_tokens / elapsed_s:7.0f} tok/s  "
+        f"server CPU {total_us:5.1f} us/token "
         f"({parts}; {wall_s:.1f} s, load {load:.2f})"
     )
 
@@ -117,6 +124,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-loop", default="", help="cProfile of the loop thread to here")
+    parser.add_argument(
+        "--stream-interval", default=[1], type=stream_intervals, help="values, comma-separated"
+    )
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp())
     version_dir = directory / build_tiny_llama(directory) / "1"
@@ -127,10 +137,11 @@ def main() -> None:
         max_num_waiting=max(256, args.num_requests),
         num_threads=args.threads,
     )
-    modes = args.engine.split(",")
+    settings = [(m, n) for m in args.engine.split(",") for n in args.stream_interval]
     for repeat in range(args.repeats):
-        for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
-            print(asyncio.run(run(mode, version_dir, params, args)), flush=True)
+        first = repeat % len(settings)
+        for mode, interval in settings[first:] + settings[:first]:
+            print(asyncio.run(run(mode, interval, version_dir, params, args)), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/llm_throughput.py [--num-requests 512] [--rate 1000] [--record]
         [--engine sync,thread,process,process2] [--static-threads 1,2] [--skip-one-at-a-time]
+        [--stream-interval 1,4]
 
 Two mixed workloads (prompt 16-256 tokens, Poisson arrivals at --rate requests/s, more than any
 setup here keeps up with, so each runs at its capacity) differ only in their output lengths:
@@ -19,7 +20,8 @@ AsyncLLMEngine.generate from one asyncio task per request, its engine stepped by
 an engine process (`engine_process = true`), as the server drives it; "processN" by N engine
 processes (`num_engine_processes = N`, each with --threads torch threads). --static-threads runs
 the static batches at each of several torch thread counts (0: torch's default), so that engines
-using several cores meet a static batch using them too.
+using several cores meet a static batch using them too. --stream-interval runs each engine row at
+each of several `stream_interval`s (a request's tokens handed out every N; one row each).
 Needs transformers (a test dependency).
 """
 
@@ -85,6 +87,17 @@ def engine_mode(mode: str) -> tuple[str, int]:
     if mode.startswith("process") and suffix.isdigit() and int(suffix) >= 1:
         return "process", int(suffix)
     return mode, 1
+
+
+def stream_intervals(text: str) -> list[int]:
+    """`--stream-interval 1,4`: the values, each an integer >= 1."""
+    try:
+        values = [int(n) for n in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1, comma-separated")
+    return values
 
 
 def engine_label(mode: str) -> str:
@@ -348,8 +361,15 @@ def main() -> None:
         action="store_true",
         help="leave out `generate` one request at a time (the slowest row by far)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        default=[1],
+        type=stream_intervals,
+        help="the engine's stream_interval, comma-separated: a row per engine mode per value",
+    )
     parser.add_argument("--record", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
+    intervals: list[int] = args.stream_interval
     default_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     import transformers
@@ -365,10 +385,11 @@ def main() -> None:
         max_num_waiting=max(256, args.num_requests),  # the benchmark offers all its requests
     )
 
-    def fresh(prefix_caching: bool = True) -> LLMEngine:
+    def fresh(prefix_caching: bool = True, interval: int = 1) -> LLMEngine:
         # num_threads: the engine pins its stepping thread's count (0 would be torch's default
         # as first imported, not --threads).
-        changes = {"enable_prefix_caching": prefix_caching, "num_threads": args.threads}
+        changes = {"enable_prefix_caching": prefix_caching, "num_threads": args.threads,
+                   "stream_interval": interval}  # fmt: skip
         return LLMEngine(load_checkpoint(version_dir), dataclasses.replace(params, **changes))
 
     engines = args.engine.split(",")
@@ -380,11 +401,14 @@ def main() -> None:
     ]
     engine_params = dataclasses.replace(params, num_threads=args.threads)
 
-    def run_engine_mode(mode: str, requests: list[Request]) -> Result:
+    def run_engine_mode(mode: str, interval: int, requests: list[Request]) -> Result:
         name = f"engine (continuous batching), {engine_label(mode)}"
+        if intervals != [1]:
+            name += f", stream_interval {interval}"
         if mode == "sync":
-            return run_engine(name, fresh(), requests)
-        return run_async_engine(name, mode, version_dir, engine_params, [requests])[0]
+            return run_engine(name, fresh(interval=interval), requests)
+        mode_params = dataclasses.replace(engine_params, stream_interval=interval)
+        return run_async_engine(name, mode, version_dir, mode_params, [requests])[0]
 
     _hf_generate(hf, workload(2, args.rate, args.seed))  # warm-up both sides
     run_engine("warm-up", fresh(), workload(4, args.rate, args.seed))
@@ -394,7 +418,7 @@ def main() -> None:
         def mixed(lengths: str = lengths) -> list[Request]:
             return workload(args.num_requests, args.rate, args.seed, lengths=lengths)
 
-        results = [run_engine_mode(mode, mixed()) for mode in engines]
+        results = [run_engine_mode(m, n, mixed()) for m in engines for n in intervals]
         results += _statics(args, hf, mixed, static_threads)
         # Now, before the long one-at-a-time run: the figures of a run cut short are not lost.
         print(f"{lengths}:", *_table(results), _verdict(results), sep="\n", flush=True)
@@ -486,7 +510,8 @@ def render(
         f"{args.num_requests} --rate {args.rate:g} --batch-sizes {args.batch_sizes} "
         f"--max-num-seqs {args.max_num_seqs} --max-num-batched-tokens "
         f"{args.max_num_batched_tokens} --engine {args.engine} --threads {args.threads} "
-        f"--static-threads {args.static_threads or args.threads}`. Static batches: left-padded "
+        f"--static-threads {args.static_threads or args.threads} --stream-interval "
+        f"{','.join(map(str, args.stream_interval))}`. Static batches: left-padded "
         "prompts, max_new_tokens = the batch's longest output.\n",
     ]
     for lengths, results in by_lengths.items():

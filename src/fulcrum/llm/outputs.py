@@ -58,6 +58,8 @@ class RequestState:
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_sent_tokens: int = 0
+    # Output tokens counted and detokenized; those sent lag behind by up to stream_interval - 1.
+    num_seen_tokens: int = 0
     sent_prompt_logprobs: bool = False
     itl_s: list[float] = field(default_factory=list)
 
@@ -92,6 +94,16 @@ class RequestState:
         if self.first_token_s is not None and num_output > 1:
             metrics.tpot_s.observe((now_s - self.first_token_s) / (num_output - 1))
 
+    def is_due(self, stream_interval: int) -> bool:
+        """True when a running request's tokens go out now: its first at once (time to first
+        token), then whenever stream_interval of them wait."""
+        num_sent = self.num_sent_tokens
+        return not num_sent or self.num_seen_tokens - num_sent >= stream_interval
+
+    def holds_tokens(self) -> bool:
+        """True when stream_interval holds back tokens whose processing finished."""
+        return self.num_sent_tokens < self.num_seen_tokens == self.seq.num_output_tokens
+
     def output(self, finish_reason: str | None) -> RequestOutput:
         """The increment since the last output."""
         seq = self.seq
@@ -114,6 +126,11 @@ class RequestState:
             new_logprobs=new_logprobs,
             prompt_logprobs=seq.prompt_logprobs if first else None,
         )
+
+
+def held_outputs(states: list[RequestState]) -> list[RequestOutput]:
+    """The tokens stream_interval holds back of these requests, as outputs."""
+    return [state.output(None) for state in states if state.holds_tokens()]
 
 
 # An output as a plain tuple for the engine process's pipe: pickling tuples costs the stepping

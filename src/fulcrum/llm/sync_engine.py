@@ -25,9 +25,10 @@ from fulcrum.llm.budget import StepRecord, TokenBudget
 from fulcrum.llm.chat import ChatTemplate
 from fulcrum.llm.detokenizer import IncrementalDetokenizer
 from fulcrum.llm.engine_front import EngineFront
+from fulcrum.llm.engine_gauges import EngineGauges
 from fulcrum.llm.loader import DTYPES, LoadedLLM, load_checkpoint
 from fulcrum.llm.metrics import LLMMetrics
-from fulcrum.llm.outputs import RequestOutput, RequestState, Usage
+from fulcrum.llm.outputs import RequestOutput, RequestState, Usage, held_outputs
 from fulcrum.llm.params import EngineParams
 from fulcrum.llm.request_setup import complete_sampling, scoring_salt
 from fulcrum.llm.runner import ModelRunner, num_blocks_for_budget
@@ -118,8 +119,8 @@ class LLMEngine(EngineFront):
         scheduler.speculation = self.speculation
         if self.budget is not None:  # a reset keeps what was learnt of the machine's speed
             scheduler.set_limits(self.budget.state.token_budget, self.budget.state.max_running)
-        self._num_preemptions_seen = 0
-        self._prefix_seen = (0, 0)
+        metrics = self.metrics
+        self._gauges = None if metrics is None else EngineGauges(metrics, scheduler, block_manager)
         return block_manager, scheduler
 
     @classmethod
@@ -246,7 +247,8 @@ class LLMEngine(EngineFront):
         return self.scheduler.num_waiting
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; outputs of the requests that got a token (or finished) in it."""
+        """Run one iteration; outputs of the requests that finished in it or whose new tokens
+        are due (each token with stream_interval = 1; every N tokens, the first at once, else)."""
         pin_num_threads(self.params.num_threads)  # whichever thread steps this engine
         if self.budget is not None:
             return self._step_within_budget(self.budget)
@@ -293,6 +295,8 @@ class LLMEngine(EngineFront):
     def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         now_s = self.clock.now()
         by_seq = self._by_seq
+        # Tokens held back by stream_interval go out before a wait of unknown length.
+        outputs = held_outputs([by_seq[seq.seq_id] for seq in batch.preempted])
         for seq in batch.seqs:
             state = by_seq[seq.seq_id]
             if state.first_scheduled_s is None:  # per sequence per step: skip the call after
@@ -307,32 +311,36 @@ class LLMEngine(EngineFront):
             # those blocks uncommitted, so no later request reads what the failed step wrote.
             log.exception("LLM step failed; failing its %d requests", len(batch.seqs))
             error = ModelError(f"the model step failed: {exc!r}")
-            return [self._fail(self._by_seq[seq.seq_id], error) for seq in batch.seqs]
+            return outputs + [o for s in batch.seqs for o in self._fail(by_seq[s.seq_id], error)]
         self._num_failed_steps = 0
-        outputs: list[RequestOutput] = []
         tokens = cast("list[StepTokens]", sampled)  # unless a row failed (checked next)
         if any(isinstance(token, ModelError) for token in sampled):
             tokens = []
             for seq, token in zip(batch.seqs, sampled, strict=True):
                 if isinstance(token, ModelError):  # this row alone: update() skips its seq
-                    outputs.append(self._fail(self._by_seq[seq.seq_id], token))
+                    outputs.extend(self._fail(self._by_seq[seq.seq_id], token))
                     token = None
                 tokens.append(token)
-        updated = self.scheduler.update(batch, tokens)
+        return outputs + self._postprocess_all(self.scheduler.update(batch, tokens))
+
+    def _postprocess_all(self, updated: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of a step's sequences that are due (stream_interval) or failed."""
         now_s = self.clock.now()
+        outputs: list[RequestOutput] = []
         for seq in updated:
             state = self._by_seq[seq.seq_id]
             try:
-                outputs.append(self._postprocess(state, now_s))
+                if (output := self._postprocess(state, now_s)) is not None:  # None: not due
+                    outputs.append(output)
             except Exception as exc:  # e.g. the detokenizer on a bad token: only this request
                 log.exception("LLM request %r failed after its step", state.request_id)
-                outputs.append(self._fail(state, ModelError(f"output processing failed: {exc!r}")))
+                outputs.extend(self._fail(state, ModelError(f"output processing failed: {exc!r}")))
         return outputs
 
-    def _postprocess(self, state: RequestState, now_s: float) -> RequestOutput:
+    def _postprocess(self, state: RequestState, now_s: float) -> RequestOutput | None:
         seq = state.seq
         last_token_s = state.last_token_s
-        first_new = seq.num_prompt_tokens + state.num_sent_tokens  # more than one new: drafts
+        first_new = seq.num_prompt_tokens + state.num_seen_tokens  # more than one new: drafts
         state.on_token(now_s, self.metrics, len(seq.token_ids) - first_new)
         if self.budget is not None:
             if last_token_s is None:
@@ -342,19 +350,22 @@ class LLMEngine(EngineFront):
         detokenizer = state.detokenizer
         if detokenizer is not None:
             for token_id in seq.token_ids[first_new:]:
-                detokenizer.add(token_id)
+                detokenizer.add(token_id)  # every step: a stop string ends it in this one
             if detokenizer.stopped and not seq.is_finished:
                 self.scheduler.finish(seq.seq_id, FinishReason.STOP)
         # A complete grammar ends the answer (before min_tokens too: the grammar wins, as vLLM).
         if not seq.is_finished and self.runner.grammar_complete(seq.seq_id):
             self.scheduler.finish(seq.seq_id, FinishReason.STOP)
+        state.num_seen_tokens = len(seq.token_ids) - seq.num_prompt_tokens
         if seq.finish_reason is not None:
             return self._finish(state, seq.finish_reason.value)
-        return state.output(None)
+        return state.output(None) if state.is_due(self.params.stream_interval) else None
 
-    def _fail(self, state: RequestState, error: ModelError) -> RequestOutput:
-        """End one request with an error, whatever stage it failed in; frees its blocks."""
+    def _fail(self, state: RequestState, error: ModelError) -> list[RequestOutput]:
+        """End one request with an error, whatever stage it failed in (after the tokens held
+        back, if its text is sound); frees its blocks."""
         seq = state.seq
+        outputs = [state.output(None)] if state.holds_tokens() else []
         self.scheduler.abort(seq.seq_id)  # None when the scheduler already finished it
         self._requests.pop(state.request_id, None)
         self._by_seq.pop(seq.seq_id, None)
@@ -362,7 +373,7 @@ class LLMEngine(EngineFront):
         if self.metrics is not None:
             self.metrics.request_finished("error")
         usage = Usage(seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
-        return RequestOutput(state.request_id, [], "", "error", usage, error=error)
+        return [*outputs, RequestOutput(state.request_id, [], "", "error", usage, error=error)]
 
     def _finish(self, state: RequestState, reason: str) -> RequestOutput:
         del self._requests[state.request_id]
@@ -378,22 +389,5 @@ class LLMEngine(EngineFront):
 
     def update_gauges(self) -> None:
         """Publish the scheduler's state to the gauges (and the counters' increments)."""
-        metrics = self.metrics
-        if metrics is None:
-            return
-        metrics.running.set(self.scheduler.num_running)
-        metrics.waiting.set(self.scheduler.num_waiting)
-        metrics.kv_usage.set(self.block_manager.usage())
-        scheduler = self.scheduler
-        metrics.token_budget.set(scheduler.token_budget or scheduler.max_num_batched_tokens)
-        metrics.running_limit.set(scheduler.max_running or scheduler.max_num_seqs)
-        num_preemptions = self.scheduler.num_preemptions
-        metrics.preemptions.inc(num_preemptions - self._num_preemptions_seen)
-        self._num_preemptions_seen = num_preemptions
-        stats = self.block_manager.stats
-        seen_queries, seen_hits = self._prefix_seen
-        metrics.prefix_queries.inc(stats.num_queries - seen_queries)
-        metrics.prefix_hits.inc(stats.num_hits - seen_hits)
-        self._prefix_seen = (stats.num_queries, stats.num_hits)
-        if self.speculation is not None:
-            self.speculation.publish(metrics)
+        if self._gauges is not None:
+            self._gauges.publish(self.speculation)
