@@ -258,12 +258,18 @@ class DynamicBatcher:
                 tally.failed = True
                 await self._recover(requests, exc, tally)
             else:
-                self._free_slot(tally)
-                # Two yields: the loop plans the next batch (1), its task dispatches it (2), and
-                # only then do this batch's callers wake up, so the model works while they run.
-                await asyncio.sleep(0)
-                await asyncio.sleep(0)
-                self._resolve(requests, ran)
+                if self._queue:
+                    self._free_slot(tally)
+                    # Two yields: the loop plans the next batch (1), its task dispatches it (2),
+                    # and only then do this batch's callers wake up, so the model works while
+                    # they run.
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
+                    self._resolve(requests, ran)
+                else:
+                    # No next batch to start first: the callers wake before the loop does.
+                    self._resolve(requests, ran)
+                    self._free_slot(tally)
         except asyncio.CancelledError:
             _fail(requests, Unavailable(f"model {self._config.name!r} stopped while running"))
             raise

@@ -145,11 +145,24 @@ class InstancePool:
         limit_s = self.execution_timeout_s
         if limit_s is None:
             return await waiter
-        done, _ = await asyncio.wait((waiter,), timeout=limit_s)
-        if done:
-            return waiter.result()  # retrieved here, or asyncio logs "never retrieved" at GC
-        if job.done():  # it returned just as the limit passed
-            waiter.cancel()  # its copy of the outcome would go unretrieved
+        # A timer that cancels the wait, rather than asyncio.wait: no extra future, callback
+        # and loop turn between the batch's end and its caller on every batch.
+        fired: list[bool] = []
+
+        def expire() -> None:
+            fired.append(True)
+            waiter.cancel()  # a running job cannot be cancelled: it goes on in its thread
+
+        timer = asyncio.get_running_loop().call_later(limit_s, expire)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not fired or (task is not None and task.cancelling()):
+                raise  # the caller's own cancellation
+        finally:
+            timer.cancel()
+        if job.done() and not job.cancelled():  # it returned just as the limit passed
             return job.result()
         self._mark_hung(index)
         raise ExecutionTimeout(

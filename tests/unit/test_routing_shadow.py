@@ -136,6 +136,17 @@ async def test_close_cancels_the_running_shadows_and_starts_no_more() -> None:
     assert not shadows.offer(reference, SETTINGS, lambda: reference, INPUTS, caller_result())
 
 
+async def test_a_shadow_closed_before_its_first_step_still_leaves_the_count() -> None:
+    """The server stops right after the answer went out: the shadow never ran a step."""
+    shadows, _ = runner()
+    reference = FakeReference(caller_result().outputs["y"])
+    assert shadows.offer(reference, SETTINGS, lambda: reference, INPUTS, caller_result())
+    assert shadows.in_flight("m") == 1
+    await shadows.close()  # no yield before: the task is cancelled before it starts
+    assert shadows.in_flight("m") == 0
+    assert reference.priorities == []
+
+
 async def test_with_one_priority_level_a_backlogged_reference_gets_no_shadow() -> None:
     shadows, metrics = runner()
     reference = FakeReference(caller_result().outputs["y"])

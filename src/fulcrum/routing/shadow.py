@@ -122,7 +122,13 @@ class ShadowRunner:
         task = asyncio.ensure_future(self._track(model, name, compare))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # On the task, not in its body: a shadow cancelled before its first step (the server
+        # stopping just after the answer went out) never runs its body, and still ends.
+        task.add_done_callback(lambda _: self._ended(model))
         return True
+
+    def _ended(self, model: str) -> None:
+        self._in_flight[model] -= 1
 
     async def _track(
         self, model: str, name: str, compare: Callable[[], Awaitable[float | None]]
@@ -131,8 +137,6 @@ class ShadowRunner:
             score = await compare()
         except (FulcrumError, TimeoutError):
             score = None
-        finally:
-            self._in_flight[model] -= 1
         if score is None:
             self._metrics.record_shadow(model, name, "failed")
         else:
