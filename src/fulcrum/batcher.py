@@ -262,14 +262,11 @@ class DynamicBatcher:
                     self._free_slot(tally)
                     # Two yields: the loop plans the next batch (1), its task dispatches it (2),
                     # and only then do this batch's callers wake up, so the model works while
-                    # they run.
+                    # they run. With nothing queued, the callers wake before the loop does.
                     await asyncio.sleep(0)
                     await asyncio.sleep(0)
-                    self._resolve(requests, ran)
-                else:
-                    # No next batch to start first: the callers wake before the loop does.
-                    self._resolve(requests, ran)
-                    self._free_slot(tally)
+                self._resolve(requests, ran)
+                self._free_slot(tally)  # if not freed above
         except asyncio.CancelledError:
             _fail(requests, Unavailable(f"model {self._config.name!r} stopped while running"))
             raise

@@ -121,12 +121,13 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     lone request's path is two loop turns shorter)."""
     handler = asyncio.current_task()
     assert handler is not None, "until_disconnect runs in a task"
-    state = {"running": True, "gone": False}
+    running, gone = True, False
 
     def on_watched(watcher: asyncio.Future[None]) -> None:
         # Scheduled by the loop: the work may have ended since; then nothing is cancelled.
-        if state["running"] and not watcher.cancelled() and watcher.exception() is None:
-            state["gone"] = True
+        nonlocal gone
+        if running and not watcher.cancelled() and watcher.exception() is None:
+            gone = True
             handler.cancel()
 
     watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -136,11 +137,11 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     except asyncio.CancelledError:
         # Our own cancel is the only one pending: the client left. Any other (the server
         # shutting down) goes on as a cancellation.
-        if state["gone"] and handler.uncancel() == 0:
+        if gone and handler.uncancel() == 0:
             raise ClientGone("client disconnected") from None
         raise
     finally:
-        state["running"] = False
+        running = False
         watcher.cancel()
 
 
