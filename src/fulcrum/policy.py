@@ -97,8 +97,9 @@ class BatchPolicy(Protocol):
     def observe(self, record: BatchRecord) -> None:
         """What a batch really cost, after it ran (failed ones too); called once per batch."""
 
-    def observe_overhead(self, seconds: float) -> None:
-        """One answered request's time in the server outside the queue and its batch."""
+    def observe_answer(self, overhead_s: float, latency_s: float) -> None:
+        """One answered request: its time in the server outside the queue and its batch, and
+        its whole time since it reached the server."""
 
     def on_arrival(self, queue: PendingQueue, item: Pending, now: float) -> float | None:
         """Just admitted: None to keep it, else refuse it at once (503) with this Retry-After."""
@@ -162,8 +163,8 @@ class TritonPolicy:
         self.derived.observe(record)
         self.derived.refresh(self.model, self._limit)
 
-    def observe_overhead(self, seconds: float) -> None:
-        """Static rules plan no deadlines: the time outside the batch changes nothing."""
+    def observe_answer(self, overhead_s: float, latency_s: float) -> None:
+        """Static rules plan no deadlines: how long an answer took changes nothing."""
 
     def on_arrival(self, queue: PendingQueue, item: Pending, now: float) -> float | None:
         """Static rules refuse only at the queue bound (the queue itself does that)."""

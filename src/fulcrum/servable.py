@@ -127,7 +127,8 @@ class BatchServable:
         # What the request spent here besides queueing and running: mostly after its batch
         # ended, until this coroutine ran again (a busy event loop). The time before it was
         # queued is not in it: its deadline already counts from arrival (`age_s`).
-        self.batcher.policy.observe_overhead(total_s - result.queue_s - result.compute_s)
+        overhead_s = total_s - result.queue_s - result.compute_s
+        self.batcher.policy.observe_answer(overhead_s, age_s + total_s)
         num_rows = _num_rows(inputs) if self.config.max_batch_size > 0 else 1
         self.stats.record_success(num_rows, total_s, result.queue_s, result.compute_s)
         m = self.metrics

@@ -141,7 +141,7 @@ def after_a_burst(seed: int, *, cold: bool) -> RefusalSim:
         warm_quiet(lambda rows, s: policy.observe(record(rows, s)), rng)
     burst(lambda rows, s: policy.observe(record(rows, s)), rng)
     for _ in range(256):  # the burst's busy event loop: a 40 ms overhead reserve
-        policy.observe_overhead(0.040 * float(rng.uniform(0.3, 1.0)))
+        policy.observe_answer(0.040 * float(rng.uniform(0.3, 1.0)), 0.0)
     policy.arrival_margin = 1.05**20  # and 20 late sheds
     return sim
 
@@ -184,7 +184,7 @@ def test_alone_on_an_idle_instance_the_slo_decides_not_the_overhead_reserve() ->
     queue, policy = PendingQueue(config), AdaptivePolicy(config)
     warm(policy, lambda rows, now: 28 * linear(rows))  # a lone row takes 70 ms
     for _ in range(256):
-        policy.observe_overhead(0.040)
+        policy.observe_answer(0.040, 0.0)
     policy.plan(queue, 0.0)  # the queue's due times now keep 40 ms free
     alone = Pending(1, "k", 0.0)
     queue.admit(alone, priority=None, timeout_s=None)

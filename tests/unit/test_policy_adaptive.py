@@ -61,6 +61,7 @@ class Sim:
     shed: list[tuple[Pending, float, float]] = field(default_factory=list)  # (item, when, retry)
     num_full: int = 0
     limits: list[tuple[float, int]] = field(default_factory=list)  # (time, batch_limit)
+    answers: bool = False  # tell the policy how long each answer took (as `Servable` does)
 
     def __post_init__(self) -> None:
         self.queue = PendingQueue(self.config)
@@ -82,6 +83,8 @@ class Sim:
             if running and running[0] <= now:
                 _, items, rows, seconds = running
                 self.finished += [(item, now) for item in items]
+                for item in items if self.answers else ():
+                    self.policy.observe_answer(0.0, now - item.origin_s)
                 self.policy.observe(record(rows, seconds, len(items)))
                 self.limits.append((now, self.policy.batch_limit))
                 running = None

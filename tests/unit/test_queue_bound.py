@@ -96,7 +96,7 @@ def test_the_adaptive_policy_plans_new_requests_against_the_slo_minus_the_reserv
     config = make_config()
     queue, policy = PendingQueue(config), AdaptivePolicy(config)
     for _ in range(RESERVE_EVERY):
-        policy.observe_overhead(0.02)
+        policy.observe_answer(0.02, 0.0)
     policy.plan(queue, 0.0)
     item = Pending(1, "k", enqueue_s=0.0)
     queue.admit(item, priority=None, timeout_s=None)
