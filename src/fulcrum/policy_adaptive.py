@@ -48,12 +48,12 @@ MAX_GROWTH = 2  # the batch limit is at most this many times the largest batch m
 # 290-320/s, 18 paired runs: 0.75 points more requests late or refused on average than near
 # caution 0, worse in 14); at 3x capacity caution 0 let 1-2% of the admitted answers end past
 # the SLO (P99 103-104 ms).
-# So every answer past the SLO raises the caution and every answer within it lowers it, and it
-# settles where LATE_TARGET of the answers are late (by their due time, see `observe_answer`):
-# half of what a P99 objective allows.
+# So every answer past its due time (see `observe_answer`) raises the caution and every answer
+# on time lowers it, and it settles where LATE_TARGET of the answers are late: half of what a
+# P99 objective allows.
 LATE_TARGET = 0.005
 CAUTION_UP = 0.05  # per late answer: 20 late answers from none to full caution
-CAUTION_DOWN = CAUTION_UP * LATE_TARGET / (1.0 - LATE_TARGET)  # per answer within the SLO
+CAUTION_DOWN = CAUTION_UP * LATE_TARGET / (1.0 - LATE_TARGET)  # per answer on time
 # EWMA weight of one arrival in the mean time from a request's head to its queue (body read
 # and decoded): the head's check runs that much later in its prediction.
 AGE_WEIGHT = 0.02
@@ -199,7 +199,7 @@ class AdaptivePolicy:
 
     def observe_answer(self, overhead_s: float, latency_s: float) -> None:
         """One answered request's time outside the queue and its batch (the overhead reserve),
-        and whether it made the SLO (the caution batches are sized with)."""
+        and whether it was on time (the caution batches are sized with)."""
         self.overhead.add(overhead_s)
         # Late by the time batches are planned to end by (the reserve before the SLO): what an
         # answer still spends after this (encoding, sending, the client) is not in latency_s,
