@@ -60,11 +60,11 @@ type_ids = "token_type_ids"
 # No added wait: while the model runs a batch, new requests queue and form the next one, so
 # batches grow with load by themselves; a lone request at light load runs at once.
 max_queue_delay_ms = 0
-# A backlog runs as batches of 16 rows (Triton's rule: the largest preferred size that the
-# queue fills), not as one batch of all it holds: on a 2-core x86 CPU a row costs 3.0 ms in a
-# batch of 16 and 2.9-3.0 ms in one of 32 or 64, so bigger batches only make every request in
-# them wait longer (48 ms against 190 ms for 64 rows). Requests of up to 64 rows still run.
-preferred_batch_sizes = [16]
+# A backlog runs as batches of 8 rows per instance (Triton's rule: the largest preferred size
+# that the queue fills), not as one batch of all it holds: on one core of a 2-core x86 VM a row
+# costs 4.7 ms in a batch of 8 and 4.4 ms in one of 16, so bigger batches only make every
+# request in them wait longer (37 ms against 70 ms). Requests of up to 64 rows still run.
+preferred_batch_sizes = [8]
 # The latency objective, held by the adaptive policy: each batch is shaped around its requests'
 # deadlines (a fitted model of batch time), and a request that can no longer make its deadline
 # gets a fast 503 with Retry-After instead of a late answer. At 3x capacity for a minute on a
@@ -73,27 +73,35 @@ preferred_batch_sizes = [16]
 policy = "adaptive"
 slo_p99_ms = 100
 
+# Two instances of one thread each, on one shared session (one copy of the weights): two
+# batches run side by side, each on a core, with no pool threads to hand work to and wait for.
+# On a 2-core AVX2 VM that is 7-24% more rows/s than one instance on two threads (batches of
+# 16 and of 1), and near capacity (290-370 requests/s) about half as many requests were late
+# or refused (benchmarks/near_capacity.py). A lone request still gets both cores (below).
 [instances]
-count = 1
+count = 2
 
 [parameters]
-intra_op_threads = 2
+intra_op_threads = 1
+share_session_between_instances = true
 allow_spinning = false
-# ORT hands a parallel operator out in shrinking blocks instead of one fixed share per thread, so
-# a pool thread that loses its core (2 shared cores) holds back one block, not the whole batch:
-# the highest rate within a 100 ms P99 was higher than without in 4 of 5 paired searches on a
-# loaded VM and in the quiet one; it also lets the compute threads run niced (--compute-nice).
-dynamic_block_base = 4
 # Sort a batch by token length and run it in chunks of 8 rows, each padded only to its own
 # longest: big batches then cost no more padding than small ones.
 length_bucket_rows = 8
 # At light load a lone request runs on a second session (sharing the embedding table, ~50 MiB)
-# whose pool threads spin (within its runs and ~50 ms after, ONNX Runtime's default; stopping the
-# spin when a run returns left the next run as slow as no spinning): without spinning, each
-# parallel operator of a lone row waits for a sleeping pool thread, 4-6 ms of a ~14 ms row on a
-# 2-core AVX2 VM (benchmarks/light_path.py). Under load batches keep the non-spinning session,
-# and a session measured slower (where spinning loses) gets only every 8th lone run.
+# with both instances' threads (2), whose pool thread spins (within its runs and ~50 ms after,
+# ONNX Runtime's default; stopping the spin when a run returns left the next run as slow as no
+# spinning): without spinning, each parallel operator of a lone row waits for a sleeping pool
+# thread, 4-6 ms of a ~14 ms row on a 2-core AVX2 VM (benchmarks/light_path.py). Under load
+# batches run on the instances' own session, and a session measured slower (where spinning
+# loses) gets only every 8th lone run.
 spin_when_idle = true
+# For the lone session's two threads: ORT hands a parallel operator out in shrinking blocks
+# instead of one fixed share per thread, so a pool thread that loses its core (2 shared cores)
+# holds back one block, not the whole run: with one two-thread instance, the highest rate within
+# a 100 ms P99 was higher than without in 4 of 5 paired searches on a loaded VM and in the quiet
+# one; it also lets the compute threads run niced (--compute-nice).
+dynamic_block_base = 4
 """
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from fulcrum.backends import Backend, LoneBatchBackend
+from fulcrum.backends import Backend, LoneBatchBackend, distinct
 from fulcrum.errors import ExecutionTimeout, Unavailable
 from fulcrum.thread_priority import compute_initializer
 from fulcrum.types import TensorMap
@@ -124,19 +124,26 @@ class InstancePool:
     def close(self) -> None:
         """Shut the executors down (after the batch each one runs), then close the backends.
 
-        A hung instance is not waited for: its backend is closed when its thread returns.
+        A hung instance is not waited for: its backend is closed when its thread returns (a
+        backend shared between instances, when the last of their hung threads returns).
         """
         if self._closed:
             return
         self._closed = True
         hung = set(self._hung)  # called off the event loop: read it once
+        stuck: dict[int, list[Future[TensorMap]]] = {}  # id(backend) -> its hung jobs
         for index, backend in enumerate(self._backends):
             job = self._jobs[index]
             if index in hung and job is not None:
                 self._executors[index].shutdown(wait=False, cancel_futures=True)
-                job.add_done_callback(functools.partial(_close_quietly, backend))
+                stuck.setdefault(id(backend), []).append(job)
             else:
                 self._executors[index].shutdown(wait=True, cancel_futures=True)
+        for backend in distinct(self._backends):
+            jobs = stuck.get(id(backend))
+            if jobs:
+                _close_after(backend, jobs)
+            else:
                 backend.close()
 
     async def _watch(
@@ -230,6 +237,22 @@ class InstancePool:
                 waiter.set_result(index)  # hand over directly: FIFO among waiting batches
                 return
         self._free.append(index)
+
+
+def _close_after(backend: Backend, jobs: list[Future[TensorMap]]) -> None:
+    """Close `backend` once every one of `jobs` (its hung calls) has returned."""
+    remaining = [len(jobs)]
+    lock = threading.Lock()
+
+    def one_done(_: object) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            _close_quietly(backend, None)
+
+    for job in jobs:
+        job.add_done_callback(one_done)
 
 
 def _close_quietly(backend: Backend, _: object) -> None:

@@ -44,6 +44,10 @@ class OnnxParameters(_Params, frozen=True):
     dynamic_block_base: NonNegInt = 0
     execution_providers: tuple[str, ...] | None = None  # None: CUDA when present, then CPU
     length_bucket_rows: NonNegInt = 0  # 0: a batch runs whole, padded to its longest row
+    # True: the model's instances run their batches on one session (ORT's Run is thread-safe),
+    # as Triton's ONNX Runtime backend does with the same parameter: one copy of the weights and
+    # one `spin_when_idle` session however many instances; each instance still has its thread.
+    share_session_between_instances: bool = False
 
 
 class TorchParameters(_Params, frozen=True):

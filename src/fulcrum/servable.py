@@ -6,7 +6,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from fulcrum.backends import create_backend
+from fulcrum.backends import Backend, create_backend, distinct, shared_between_instances
 from fulcrum.batcher import BatchRecord, DynamicBatcher, InferResult
 from fulcrum.config import ModelConfig
 from fulcrum.errors import FulcrumError, QueueFull, Shed, Unavailable
@@ -55,16 +55,20 @@ class BatchServable:
         variant: str = "default",
         compute_nice: int = 0,
     ) -> BatchServable:
-        """Create one backend per instance off the event loop, then start the batcher.
+        """Create one backend per instance off the event loop (one for all where the backend
+        is shared between instances), then start the batcher.
         Takes ownership of `metrics`: a load that fails releases them."""
-        backends = []
+        backends: list[Backend] = []
         try:
             for _ in range(config.instances.count):
+                if backends and shared_between_instances(backends[0]):
+                    backends.append(backends[0])
+                    continue
                 # Built on a lowered thread: the runtime pools it spawns inherit its priority.
                 backend = await call_lowered(compute_nice, create_backend, config, version_dir)
                 backends.append(backend)
         except BaseException:
-            for backend in backends:
+            for backend in distinct(backends):
                 backend.close()
             metrics.release()
             raise

@@ -51,7 +51,7 @@ def reference() -> np.ndarray:
 
 def test_config_is_what_the_server_expects(example_repo: Path) -> None:
     config = load_model_config(example_repo / "minilm" / "config.toml", dir_name="minilm")
-    assert (config.platform, config.max_batch_size, config.instances.count) == ("onnx", 64, 1)
+    assert (config.platform, config.max_batch_size, config.instances.count) == ("onnx", 64, 2)
     assert [(t.name, t.datatype, t.shape) for t in config.inputs] == [("text", "BYTES", (1,))]
     assert [(t.name, t.datatype, t.shape) for t in config.outputs] == [
         ("embedding", "FP32", (384,))
@@ -59,10 +59,11 @@ def test_config_is_what_the_server_expects(example_repo: Path) -> None:
     assert config.tokenizer is not None and config.tokenizer.input == "text"
     assert config.dynamic_batching is not None
     assert config.dynamic_batching.max_queue_delay_ms == 0
-    assert config.dynamic_batching.preferred_batch_sizes == (16,)
+    assert config.dynamic_batching.preferred_batch_sizes == (8,)
     assert (config.dynamic_batching.policy, config.dynamic_batching.slo_p99_ms) == ("adaptive", 100)
     assert config.parameters == {
-        "intra_op_threads": 2,
+        "intra_op_threads": 1,
+        "share_session_between_instances": True,
         "allow_spinning": False,
         "dynamic_block_base": 4,
         "length_bucket_rows": 8,

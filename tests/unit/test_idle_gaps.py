@@ -68,3 +68,17 @@ def test_a_zero_threshold_is_always_sparse() -> None:
     for _ in range(5):
         runs.run(idle_s=0.0, run_s=0.05)
     assert all(runs.sparse)
+
+
+def test_a_run_that_starts_while_another_runs_had_no_idle_gap() -> None:
+    """Instances sharing one backend overlap their runs: such a start is load, not idleness."""
+    gaps = IdleGaps(0.05)
+    assert gaps.start(0.0)  # the first run after a long idle
+    gaps.end(0.01)
+    assert gaps.start(1.0)  # idle for a second: sparse
+    for i in range(20):  # a second run starts before each one ends
+        gaps.start(1.0 + i * 0.01 + 0.005)
+        gaps.end(1.0 + i * 0.01 + 0.01)
+    assert gaps.mean_gap_s < 0.005
+    gaps.end(1.3)
+    assert not gaps.start(1.3)  # runs back to back, not sparse

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -32,6 +33,17 @@ class LoneBatchBackend(Backend, Protocol):
     def execute_lone(self, inputs: TensorMap) -> TensorMap:
         """Run a batch like `execute`, knowing nothing else waits for or runs beside it."""
         ...
+
+
+def shared_between_instances(backend: Backend) -> bool:
+    """Whether one loaded `backend` serves all of its model's instances, each instance thread
+    calling `execute` on it (a backend whose attribute `shared_between_instances` is True)."""
+    return getattr(backend, "shared_between_instances", False) is True
+
+
+def distinct(backends: Sequence[Backend]) -> list[Backend]:
+    """Each backend once, in order: a shared one sits at several instances."""
+    return list({id(b): b for b in backends}.values())
 
 
 class BackendFactory(Protocol):

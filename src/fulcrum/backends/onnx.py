@@ -4,11 +4,13 @@ When the config has a `[tokenizer]`, its BYTES input is turned into token tensor
 with `length_bucket_rows = N` a batch is sorted by token length and run in chunks of N rows,
 each padded only to its own longest row. With `spin_when_idle = true` a second session, whose
 pool threads spin within its runs, runs the batches that run alone while runs are sparse;
-the two sessions share the model's embedding tables (one copy in memory, not two).
+the two sessions share the model's embedding tables (one copy in memory, not two). With
+`share_session_between_instances = true` one backend (its sessions) serves every instance.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -52,9 +54,12 @@ _ORT_TYPES: dict[str, np.dtype[np.generic]] = {
 }
 
 
-def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.SessionOptions:
+def session_options(
+    params: OnnxParameters, *, lone: bool = False, threads: int | None = None
+) -> ort.SessionOptions:
     """ORT session options from a model's parameters; `lone`: the `spin_when_idle` session,
-    whose pool spins (and goes on spinning after a run unless `spin_between_runs = false`)."""
+    whose pool spins (and goes on spinning after a run unless `spin_between_runs = false`);
+    `threads`: its intra-op threads instead of `intra_op_threads`."""
     if params.spin_between_runs is True and not (params.allow_spinning or params.spin_when_idle):
         raise ConfigError(
             "parameter 'spin_between_runs' = true: needs allow_spinning or spin_when_idle = true"
@@ -64,7 +69,8 @@ def session_options(params: OnnxParameters, *, lone: bool = False) -> ort.Sessio
             "parameter 'spin_when_idle' = true: the session already spins (allow_spinning = true)"
         )
     options = ort.SessionOptions()
-    options.intra_op_num_threads = params.intra_op_threads  # 0: ORT's default
+    # 0: ORT's default
+    options.intra_op_num_threads = params.intra_op_threads if threads is None else threads
     options.inter_op_num_threads = params.inter_op_threads
     options.graph_optimization_level = _OPT_LEVELS[params.graph_optimization_level]
     # ORT's pool threads spin-wait for work by default; on a small machine the spinning steals
@@ -111,6 +117,9 @@ class OnnxBackend:
             raise ConfigError(f"model {config.name!r}: no model file {path}")
         providers = execution_providers(params)
         self.name = config.name
+        # One backend for all instances: each instance thread calls `execute` on the same
+        # sessions, ORT's Run being thread-safe (read by `fulcrum.servable` at load).
+        self.shared_between_instances = params.share_session_between_instances
         # With a second session, the tables both read in place are loaded once, here, and
         # handed to both (`add_initializer`: ORT uses the caller's buffer, no copy); kept alive
         # as long as the sessions by this attribute. On a GPU each session copies them anyway.
@@ -127,9 +136,12 @@ class OnnxBackend:
         self.lone_session: ort.InferenceSession | None = None
         self.lone_choice = FasterOfTwo()  # FIRST: the spinning session, SECOND: the other
         self.gaps = IdleGaps(params.spin_idle_gap_ms / 1000)
+        self._gaps_lock = threading.Lock()  # instance threads sharing this backend
         self.clock = time.perf_counter
         if params.spin_when_idle:
-            lone = self._sharing(session_options(params, lone=True))
+            # A lone batch runs while every other instance idles: it may use all their threads.
+            threads = params.intra_op_threads * config.instances.count  # 0 stays ORT's default
+            lone = self._sharing(session_options(params, lone=True, threads=threads))
             self.lone_session = _load(config.name, path, lone, providers)
         self.front = TextFrontEnd(config.tokenizer, version_dir) if config.tokenizer else None
         self.graph_types = {i.name: _ort_dtype(i.type, i.name) for i in self.session.get_inputs()}
@@ -176,17 +188,16 @@ class OnnxBackend:
 
     def execute(self, inputs: TensorMap) -> TensorMap:
         """Run one batch; ONNX Runtime releases the GIL while it computes."""
-        self.gaps.start(self.clock())
+        self._run_starts()
         try:
             return self._execute(self.session, inputs)
         finally:
-            self.gaps.end(self.clock())
+            self._run_ends()
 
     def execute_lone(self, inputs: TensorMap) -> TensorMap:
         """Run a batch that nothing else waits or runs beside: on the spinning session while
         runs are sparse and it is measured faster than the other (tried every few lone runs)."""
-        start_s = self.clock()
-        sparse = self.gaps.start(start_s)
+        start_s, sparse = self._run_starts()
         session, choice = self.session, None
         if self.lone_session is not None and sparse:
             choice = self.lone_choice.pick()
@@ -194,11 +205,22 @@ class OnnxBackend:
         try:
             outputs = self._execute(session, inputs)
         finally:
-            end_s = self.clock()
-            self.gaps.end(end_s)
+            end_s = self._run_ends()
         if choice is not None:
             self.lone_choice.observe(choice, end_s - start_s, _num_rows(inputs))
         return outputs
+
+    def _run_starts(self) -> tuple[float, bool]:
+        """The clock at a run's start, and whether runs are sparse."""
+        with self._gaps_lock:
+            now_s = self.clock()
+            return now_s, self.gaps.start(now_s)
+
+    def _run_ends(self) -> float:
+        with self._gaps_lock:
+            now_s = self.clock()
+            self.gaps.end(now_s)
+        return now_s
 
     def _execute(self, session: ort.InferenceSession, inputs: TensorMap) -> TensorMap:
         feeds = self._feeds(inputs)
