@@ -3,7 +3,10 @@ and GPU utilisation, memory and power through NVML when a GPU and `pynvml` are p
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
+import gc
 import os
 import platform
 import threading
@@ -53,6 +56,17 @@ def _this_process() -> Any:
 def rss_mb() -> float:
     """This process's resident memory now."""
     return float(_this_process().memory_info().rss) / MIB
+
+
+def _live_rss_mb() -> float:
+    """Resident memory after collecting garbage and handing freed heap back to the system
+    (glibc's `malloc_trim`): a baseline that garbage freed later would otherwise undercut (a
+    process that served models before, as a test run does, can free more than a model's
+    weights while the next one loads)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc only; elsewhere the RSS as it is
+    return rss_mb()
 
 
 def available_memory_mb() -> float:
@@ -152,7 +166,7 @@ class ResourceMonitor:
     def __init__(self, nvml: Nvml | None = None, *, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         self.nvml = nvml or Nvml(None, [], "not measured: GPU monitoring off")
         self.interval_s = interval_s
-        self.baseline_mb = rss_mb()
+        self.baseline_mb = _live_rss_mb()
         self.gpu_baseline_mb = self.nvml.sample()[1] if self.nvml.available else 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
