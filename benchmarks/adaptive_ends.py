@@ -84,6 +84,12 @@ def add_ends_args(parser: argparse.ArgumentParser) -> None:
     add("--light-repeats", type=int, default=1, help="repeats of each light-load rate")
     add("--search-repeats", type=int, default=1, help="repeats of the max-rate search")
     add("--search-start", type=float, help="the search's first rate (default: half capacity)")
+    add(
+        "--search-tolerance",
+        type=float,
+        default=0.08,
+        help="stop bisecting when the bracket is within this share of its top (finer: more steps)",
+    )
     add("--capacity", type=float, help="capacity, req/s (default: measured, Triton's rules)")
     add("--idle-s", type=float, default=30.0, help="seconds of idle CPU measured (0: skip)")
     add("--split", action="store_true",
@@ -177,7 +183,9 @@ def point(server: Server, rate: float, seconds: float, slo: Slo, seed: int) -> P
     return run_async(Bench(options, target, [slo]).point("rate", rate))
 
 
-def search(server: Server, start_rate: float, seconds: float, slo: Slo) -> float | None:
+def search(
+    server: Server, start_rate: float, seconds: float, slo: Slo, tolerance: float = 0.08
+) -> float | None:
     from adaptive_vs_static import run_async
 
     async def evaluate(rate: float) -> PointResult:
@@ -186,8 +194,9 @@ def search(server: Server, start_rate: float, seconds: float, slo: Slo) -> float
         target = V2Target(Endpoint.from_url(server.url), server.requests)
         return await Bench(options, target, [slo]).point("rate", rate)
 
-    found = run_async(max_rate_under(evaluate, start_rate=start_rate, rel_tolerance=0.08,
-                                     max_steps=9))  # fmt: skip
+    steps = 9 if tolerance >= 0.08 else 12  # a finer bracket takes a few more halvings
+    found = run_async(max_rate_under(evaluate, start_rate=start_rate, rel_tolerance=tolerance,
+                                     max_steps=steps))  # fmt: skip
     return found.best_rate
 
 
@@ -235,7 +244,7 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
         for _ in range(0 if args.no_search else args.search_repeats):
             for server in all_servers:
                 start = args.search_start or max(8.0, 0.5 * capacity)
-                best = search(server, start, args.search_s, slo)
+                best = search(server, start, args.search_s, slo, args.search_tolerance)
                 server.max_rates.append(best)
                 print(f"  {server.name}: max rate with P99 <= {args.slo_ms:g} ms: {best}",
                       flush=True)  # fmt: skip
