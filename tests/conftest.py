@@ -1,7 +1,10 @@
-"""Shared fixtures: `example_repo`, a model repository built once per test session."""
+"""Shared fixtures: `example_repo`, a model repository built once per test session; `release`,
+the event a test's hung backend calls wait on."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,3 +20,12 @@ def example_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("models")
     build_examples(directory)
     return directory
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    """The event every hung backend call waits on; set at the end so no thread outlives its
+    test."""
+    event = threading.Event()
+    yield event
+    event.set()

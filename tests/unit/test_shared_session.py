@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -64,14 +63,6 @@ def matmul_config(count: int, **parameters: bool | int) -> ModelConfig:
         instances=Instances(count=count),
         parameters=dict(parameters),
     )
-
-
-@pytest.fixture
-async def release() -> AsyncIterator[threading.Event]:
-    """The event a hung call waits on; set at the end so no thread outlives its test."""
-    event = threading.Event()
-    yield event
-    event.set()
 
 
 async def test_a_shared_session_is_loaded_once_for_every_instance(version_dir: Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
 
 import msgspec
 import numpy as np
@@ -46,14 +45,6 @@ class HangingBackend:
 
 def x(value: float) -> TensorMap:
     return {"x": np.full((1, 1), value, np.float32)}
-
-
-@pytest.fixture
-async def release() -> AsyncIterator[threading.Event]:
-    """The event every hung call waits on; set at the end so no thread outlives its test."""
-    event = threading.Event()
-    yield event
-    event.set()
 
 
 async def recovered(pool: InstancePool) -> None:
