@@ -94,7 +94,7 @@ length_bucket_rows = 8
 # spinning): without spinning, each parallel operator of a lone row waits for a sleeping pool
 # thread, 4-6 ms of a ~14 ms row on a 2-core AVX2 VM (benchmarks/light_path.py). Under load
 # batches run on the instances' own session, and a session measured slower (where spinning
-# loses) gets only every 8th lone run.
+# loses) gets only every 8th lone run, or as few as every 64th while it keeps losing clearly.
 spin_when_idle = true
 # For the lone session's two threads: ORT hands a parallel operator out in shrinking blocks
 # instead of one fixed share per thread, so a pool thread that loses its core (2 shared cores)

@@ -74,6 +74,16 @@ class InstancePool:
         """False when every instance is hung: the model cannot run anything (not ready)."""
         return len(self._hung) < len(self._backends)
 
+    def lone_states(self) -> list[dict[str, object]]:
+        """Each distinct backend's lone-batch state (`lone_state()`), where it reports one."""
+        states = []
+        for backend in distinct(self._backends):
+            report = getattr(backend, "lone_state", None)
+            state = report() if callable(report) else None
+            if state is not None:
+                states.append(state)
+        return states
+
     @property
     def lone_dispatch(self) -> Callable[[TensorMap], Awaitable[TensorMap]] | None:
         """`run_lone` when a backend has a path for a batch that runs alone, else None."""

@@ -39,6 +39,7 @@ class BatchServable:
             config, pool.run, on_batch=self._on_batch, dispatch_lone=pool.lone_dispatch
         )
         self.stats.policy_state = self.batcher.policy.state
+        self.stats.lone_states = pool.lone_states
         policy = self.batcher.policy
         self._adaptive = policy if isinstance(policy, AdaptivePolicy) else None
         self._num_admitted = 0

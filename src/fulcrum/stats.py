@@ -59,6 +59,9 @@ class ModelStats:
     # requests refused with 503 before they ran, by reason ("queue_full", "deadline").
     policy_state: Callable[[], dict[str, object]] | None = None
     shed: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Beyond Triton: per backend with a `spin_when_idle` session, which session lone batches
+    # take (measured medians, runs, how sparse runs are).
+    lone_states: Callable[[], list[dict[str, object]]] | None = None
     # Triton's response cache statistics: a hit's lookup time; a miss's lookup and insert time.
     cache_hit: Duration = field(default_factory=Duration)
     cache_miss: Duration = field(default_factory=Duration)
@@ -98,6 +101,9 @@ class ModelStats:
         row = self._triton_json(name, version, variant)
         if self.policy_state is not None:
             row["policy"] = {**self.policy_state(), "shed": dict(sorted(self.shed.items()))}
+        lone = self.lone_states() if self.lone_states is not None else []
+        if lone:
+            row["lone_session"] = lone
         return row
 
     def _triton_json(self, name: str, version: int, variant: str) -> dict[str, object]:

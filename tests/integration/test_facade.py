@@ -419,3 +419,22 @@ async def test_a_client_leaving_during_its_body_logs_no_traceback(
         await app(scope, receive, send)  # type: ignore[arg-type]
     assert sent[0]["status"] == 499
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING") or r.exc_info]
+
+
+async def test_the_statistics_say_which_session_lone_requests_take(
+    minilm: httpx.AsyncClient,
+) -> None:
+    """minilm's two instances share one backend with a `spin_when_idle` session: one entry
+    under `lone_session`, counting the requests sent one at a time."""
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": ["hi"]}]}
+    for _ in range(6):
+        assert (await minilm.post("/v2/models/minilm/infer", json=body)).status_code == 200
+        await asyncio.sleep(0.06)  # idle longer than spin_idle_gap_ms: runs are sparse
+    row = (await minilm.get("/v2/models/minilm/stats")).json()["model_stats"][0]
+    [state] = row["lone_session"]
+    assert state["runs"]["spinning"] + state["runs"]["instance"] == 6
+    assert state["favourite"] in ("spinning", "instance")
+    assert state["sparse"] is True and state["mean_idle_gap_ms"] >= 50
+    measured = [v for v in state["ms_per_row"].values() if v is not None]
+    assert measured and all(v > 0 for v in measured)
+    assert state["explore_every"] >= 8

@@ -65,6 +65,16 @@ def test_statistics_sum_counters_and_merge_batch_sizes() -> None:
     assert len(row["replicas"]) == 2  # type: ignore[arg-type]
 
 
+def test_the_lone_session_state_is_kept_per_replica_not_summed() -> None:
+    first, second = replica_rows(1, [1]), replica_rows(1, [1])
+    first[0]["lone_session"] = [{"favourite": "spinning", "runs": {"spinning": 7, "instance": 1}}]
+    second[0]["lone_session"] = [{"favourite": "instance", "runs": {"spinning": 2, "instance": 9}}]
+    [row] = sum_statistics([first, second])
+    assert "lone_session" not in row
+    favourites = [r["lone_session"][0]["favourite"] for r in row["replicas"]]  # type: ignore[union-attr, index]
+    assert favourites == ["spinning", "instance"]
+
+
 def test_statistics_keep_versions_apart_and_do_not_alias_inputs() -> None:
     first = replica_rows(1, [1])
     second = [dict(first[0], version="2")]

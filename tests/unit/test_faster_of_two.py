@@ -1,10 +1,11 @@
-"""FasterOfTwo: measures both choices first, then runs the faster and explores the other."""
+"""FasterOfTwo: measures both choices first, then runs the faster and explores the other, less
+often while the other keeps losing clearly; estimates are medians of recent runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from fulcrum.backends.faster_of_two import FIRST, SECOND, FasterOfTwo
+from fulcrum.backends.faster_of_two import FIRST, SECOND, WINDOW, FasterOfTwo
 
 
 def run(chooser: FasterOfTwo, times_s: dict[int, float], num: int) -> list[int]:
@@ -16,36 +17,90 @@ def run(chooser: FasterOfTwo, times_s: dict[int, float], num: int) -> list[int]:
     return picks
 
 
-def test_each_choice_is_measured_once_before_either_is_favoured() -> None:
-    chooser = FasterOfTwo(explore_every=4)
-    assert run(chooser, {FIRST: 0.010, SECOND: 0.005}, 2) == [FIRST, SECOND]
+def explored(picks: list[int], loser: int) -> list[int]:
+    return [i + 1 for i, c in enumerate(picks) if c == loser]
 
 
-def test_the_faster_runs_most_and_the_other_every_nth_pick() -> None:
+def test_each_choice_runs_twice_before_either_is_favoured() -> None:
     chooser = FasterOfTwo(explore_every=4)
-    picks = run(chooser, {FIRST: 0.010, SECOND: 0.005}, 18)
+    # The first run of each is not measured (cold after a load): each is picked until measured.
+    assert run(chooser, {FIRST: 0.010, SECOND: 0.005}, 4) == [FIRST, FIRST, SECOND, SECOND]
     assert chooser.favourite == SECOND
-    # Picks 4, 8, 12 and 16 explore; after the two first measurements, FIRST is the loser.
-    assert [i + 1 for i, c in enumerate(picks) if c == FIRST] == [1, 4, 8, 12, 16]
+
+
+def test_a_cold_first_run_is_not_measured() -> None:
+    chooser = FasterOfTwo()
+    chooser.observe(FIRST, 0.050, 1)  # the first run after load: ten times slower
+    chooser.observe(FIRST, 0.005, 1)
+    chooser.observe(SECOND, 0.008, 1)
+    chooser.observe(SECOND, 0.008, 1)
+    assert chooser.per_row_s == [0.005, 0.008]
+    assert chooser.favourite == FIRST
+
+
+def test_a_clear_loser_is_explored_half_as_often_each_time_down_to_the_limit() -> None:
+    chooser = FasterOfTwo(explore_every=4, max_explore_every=16)
+    picks = run(chooser, {FIRST: 0.010, SECOND: 0.005}, 84)
+    assert chooser.favourite == SECOND
+    # After the measurements (picks 1-4): every 4th pick until FIRST's third measured run (pick
+    # 12), then every 8th, then every 16th (the limit) from then on.
+    assert explored(picks, FIRST) == [1, 2, 8, 12, 20, 36, 52, 68, 84]
+    assert chooser.interval == 16
+
+
+def test_a_close_result_keeps_exploring_often() -> None:
+    chooser = FasterOfTwo(explore_every=4)
+    picks = run(chooser, {FIRST: 0.0055, SECOND: 0.005}, 20)  # 10% slower: not a clear loss
+    assert explored(picks, FIRST) == [1, 2, 8, 12, 16, 20]
+    assert chooser.interval == 4
+
+
+def test_the_interval_narrows_again_when_the_loser_comes_close() -> None:
+    chooser = FasterOfTwo(explore_every=4, max_explore_every=64)
+    run(chooser, {FIRST: 0.010, SECOND: 0.005}, 60)
+    assert chooser.interval > 4
+    # FIRST's cores came back: its window turns over at each exploring run until one is close.
+    run(chooser, {FIRST: 0.0052, SECOND: 0.005}, 64 * WINDOW)
+    assert chooser.interval == 4
 
 
 def test_the_favourite_follows_when_the_machine_changes() -> None:
-    chooser = FasterOfTwo(explore_every=2, weight=0.5)
-    run(chooser, {FIRST: 0.005, SECOND: 0.007}, 6)
+    chooser = FasterOfTwo(explore_every=2)
+    run(chooser, {FIRST: 0.005, SECOND: 0.007}, 8)
     assert chooser.favourite == FIRST
-    # FIRST becomes three times slower (other work took the cores): the moving average follows.
-    run(chooser, {FIRST: 0.015, SECOND: 0.007}, 6)
+    # FIRST becomes three times slower (other work took the cores): its median follows.
+    run(chooser, {FIRST: 0.015, SECOND: 0.007}, WINDOW)
     assert chooser.favourite == SECOND
+
+
+def test_a_slowed_favourite_is_dropped_however_wide_the_interval() -> None:
+    chooser = FasterOfTwo(explore_every=2, max_explore_every=64)
+    run(chooser, {FIRST: 0.005, SECOND: 0.010}, 300)
+    assert chooser.interval == 64
+    # The favourite's window is fresh from every run: its median passes the other's in half of it.
+    picks = run(chooser, {FIRST: 0.030, SECOND: 0.010}, WINDOW // 2 + 1)
+    assert chooser.favourite == SECOND
+    assert picks[-1] == SECOND
+
+
+def test_two_slow_runs_in_a_row_do_not_move_the_favourite() -> None:
+    """A preempted two-thread run takes 2-3x its usual time; the median ignores a pair."""
+    chooser = FasterOfTwo()
+    chooser.assume(0.005, 0.0075)
+    for run_s in (0.005, 0.0055, 0.005, 0.013, 0.014):
+        chooser.observe(FIRST, run_s, 1)
+    assert chooser.favourite == FIRST
 
 
 def test_time_is_compared_per_row() -> None:
     chooser = FasterOfTwo()
-    chooser.observe(FIRST, 0.020, 4)  # 5 ms a row
-    chooser.observe(SECOND, 0.006, 1)  # 6 ms a row
+    chooser.assume(0.020 / 4, 0.006)  # 5 ms a row against 6
+    chooser.observe(FIRST, 0.020, 4)
+    chooser.observe(SECOND, 0.006, 1)
     assert chooser.favourite == FIRST
 
 
-@pytest.mark.parametrize(("explore_every", "weight"), [(1, 0.2), (8, 0.0), (8, 1.5)])
-def test_bad_settings_are_refused(explore_every: int, weight: float) -> None:
+@pytest.mark.parametrize(("explore_every", "max_explore_every"), [(1, 64), (8, 4)])
+def test_bad_settings_are_refused(explore_every: int, max_explore_every: int) -> None:
     with pytest.raises(ValueError):
-        FasterOfTwo(explore_every=explore_every, weight=weight)
+        FasterOfTwo(explore_every=explore_every, max_explore_every=max_explore_every)

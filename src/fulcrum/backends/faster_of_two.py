@@ -2,53 +2,103 @@
 
 Spinning threads make a lone run faster on idle cores and slower on cores shared with other
 processes, so which session serves a lone batch is measured, not assumed: the favourite runs
-most batches, the other one every `explore_every`-th, so its estimate follows the machine.
+most batches, the other one now and then, so its estimate follows the machine.
+
+- The estimate is the median time per row of a choice's last `WINDOW` runs. On a shared machine
+  a two-thread run now and then takes 2-3x its usual time (a pool thread preempted); a moving
+  mean over two such runs in a row handed the lone batches to a session slower at the median.
+- Each exploring run costs a request what the other choice is slower by. While exploring keeps
+  confirming a clear loss (the run and the other's median both over 20% slower, from its third
+  measured run on), it comes half as often each time: every `explore_every`-th pick, doubling
+  up to `max_explore_every`. A close or reversed result brings the interval back at once.
+- The favourite's own estimate is fresh from every run, so a favourite that slows down is
+  dropped as soon as its median passes the other's, however wide the interval.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 FIRST, SECOND = 0, 1
+# Runs per choice whose median is its estimate.
+WINDOW = 8
+# An exploring run this much slower per row than the favourite's median is a clear loss.
+CLEAR_LOSS = 1.2
+# Each choice's first run is not measured: right after a load its caches are cold and ORT
+# allocates its buffers, a run several times slower than any later one.
+UNMEASURED_RUNS = 1
+# Measured runs of the other choice before a loss may widen the interval.
+MIN_RUNS_TO_WIDEN = 3
 
 
 class FasterOfTwo:
-    """Smoothed seconds per row of two choices; `pick` the faster, trying the other now and then.
+    """The median seconds per row of each of two choices' last runs; `pick` the faster, trying
+    the other now and then.
 
     Pure and deterministic (no clock, no randomness): the caller times each run and reports it
-    with `observe`. A choice not yet measured is picked first (FIRST before SECOND).
+    with `observe`. A choice not yet measured is picked first (FIRST before SECOND), twice: its
+    first run is not measured.
     """
 
-    def __init__(self, *, explore_every: int = 8, weight: float = 0.2) -> None:
+    def __init__(self, *, explore_every: int = 8, max_explore_every: int = 64) -> None:
         if explore_every < 2:
             raise ValueError("explore_every must be at least 2")
-        if not 0 < weight <= 1:
-            raise ValueError("weight must be in (0, 1]")
+        if max_explore_every < explore_every:
+            raise ValueError("max_explore_every must be at least explore_every")
         self.explore_every = explore_every
-        self.weight = weight  # of the newest run in the moving average
-        self.per_row_s = [math.nan, math.nan]
+        self.max_explore_every = max_explore_every
+        self.interval = explore_every  # picks from one exploring pick to the next, now
+        self.runs: tuple[deque[float], deque[float]] = (deque(maxlen=WINDOW), deque(maxlen=WINDOW))
+        self.per_row_s = [math.nan, math.nan]  # the medians
+        self.num_runs = [0, 0]  # observed, per choice
         self.num_picks = 0
+        self._since_explore = 0
+
+    def assume(self, first_s: float, second_s: float) -> None:
+        """Start from these times per row, as if each choice had run once at them (tests)."""
+        for choice, per_row_s in ((FIRST, first_s), (SECOND, second_s)):
+            self.runs[choice].clear()
+            self.runs[choice].append(per_row_s)
+            self.num_runs[choice] = UNMEASURED_RUNS + 1
+            self.per_row_s[choice] = per_row_s
 
     @property
     def favourite(self) -> int:
-        """The choice with the lower smoothed time per row (FIRST until both are measured)."""
+        """The choice with the lower median time per row (FIRST until both are measured)."""
         first, second = self.per_row_s
         return SECOND if second < first else FIRST  # a NaN compares False: FIRST
 
     def pick(self) -> int:
-        """FIRST or SECOND: the favourite, or the other one every `explore_every`-th pick."""
+        """FIRST or SECOND: the favourite, or the other one every `interval`-th pick (never
+        more often than every `explore_every`-th, which a caller may raise at any time)."""
         self.num_picks += 1
         unmeasured = [i for i in (FIRST, SECOND) if math.isnan(self.per_row_s[i])]
         if unmeasured:
             return unmeasured[0]
-        if self.num_picks % self.explore_every == 0:
+        self._since_explore += 1
+        if self._since_explore >= max(self.interval, self.explore_every):
+            self._since_explore = 0
             return 1 - self.favourite
         return self.favourite
 
     def observe(self, choice: int, run_s: float, num_rows: int) -> None:
-        """Fold one run of `choice` (its seconds and rows) into its average."""
+        """Add one run of `choice` (its seconds and rows) to its window; after an exploring
+        run, widen the exploring interval on a clear loss, else narrow it back."""
         per_row_s = run_s / max(1, num_rows)
-        old = self.per_row_s[choice]
-        self.per_row_s[choice] = (
-            per_row_s if math.isnan(old) else old + self.weight * (per_row_s - old)
-        )
+        favourite = self.favourite
+        best_s = self.per_row_s[favourite]
+        self.num_runs[choice] += 1
+        if self.num_runs[choice] <= UNMEASURED_RUNS:
+            return
+        self.runs[choice].append(per_row_s)
+        self.per_row_s[choice] = statistics.median(self.runs[choice])
+        measured = self.num_runs[choice] - UNMEASURED_RUNS
+        if choice == favourite or math.isnan(best_s) or measured < MIN_RUNS_TO_WIDEN:
+            return
+        clear = min(per_row_s, self.per_row_s[choice]) > CLEAR_LOSS * best_s
+        if clear and self.favourite == favourite:
+            self.interval = min(2 * self.interval, self.max_explore_every)
+        else:
+            self.interval = self.explore_every

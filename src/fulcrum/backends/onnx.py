@@ -10,6 +10,7 @@ the two sessions share the model's embedding tables (one copy in memory, not two
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -209,6 +210,27 @@ class OnnxBackend:
         if choice is not None:
             self.lone_choice.observe(choice, end_s - start_s, _num_rows(inputs))
         return outputs
+
+    def lone_state(self) -> dict[str, object] | None:
+        """For the statistics API: which session lone batches take and why; None without
+        `spin_when_idle`."""
+        if self.lone_session is None:
+            return None
+        choice = self.lone_choice
+        names = ("spinning", "instance")  # FIRST, SECOND
+        with self._gaps_lock:
+            mean_gap_s, min_gap_s = self.gaps.mean_gap_s, self.gaps.min_gap_s
+        return {
+            "favourite": names[choice.favourite],
+            "ms_per_row": {
+                name: None if math.isnan(value) else round(value * 1e3, 3)
+                for name, value in zip(names, choice.per_row_s, strict=True)
+            },
+            "runs": dict(zip(names, choice.num_runs, strict=True)),
+            "explore_every": max(choice.interval, choice.explore_every),
+            "mean_idle_gap_ms": None if math.isinf(mean_gap_s) else round(mean_gap_s * 1e3, 3),
+            "sparse": mean_gap_s >= min_gap_s,
+        }
 
     def _run_starts(self) -> tuple[float, bool]:
         """The clock at a run's start, and whether runs are sparse."""

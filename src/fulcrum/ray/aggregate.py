@@ -15,6 +15,7 @@ from prometheus_client.samples import Sample
 REPLICA_LABEL = "replica"
 # Row keys that identify a row (equal in every replica's copy) and the one that is a timestamp.
 _KEYS = ("name", "version", "variant")
+_PER_REPLICA = ("policy", "cache", "lone_session")  # state kept per replica, not summed
 _LATEST = "last_inference"
 
 
@@ -32,13 +33,13 @@ def sum_statistics(
     per_replica: Sequence[Sequence[Mapping[str, object]]],
 ) -> list[dict[str, object]]:
     """One row per (model, version, variant): counters and durations summed, batch sizes merged,
-    the latest `last_inference`; state that does not add up (the batch policy's, the cache's)
-    is kept per replica under `replicas`."""
+    the latest `last_inference`; state that does not add up (the batch policy's, the cache's,
+    the lone session's) is kept per replica under `replicas`."""
     merged: dict[tuple[object, ...], dict[str, object]] = {}
     for index, rows in enumerate(per_replica):
         for row in rows:
             key = tuple(row.get(k) for k in _KEYS)
-            own = {k: v for k, v in row.items() if k in ("policy", "cache")}
+            own = {k: v for k, v in row.items() if k in _PER_REPLICA}
             counters = {k: v for k, v in row.items() if k not in own}
             if key not in merged:
                 merged[key] = {**{k: _copy(v) for k, v in counters.items()}, "replicas": []}
