@@ -7,6 +7,7 @@ import onnx
 import onnx.helper as oh
 import onnxruntime as ort
 import pytest
+from test_faster_of_two import measured
 
 from fulcrum.backends import create_backend
 from fulcrum.backends.casting import cast_to
@@ -302,7 +303,7 @@ def test_lone_batches_leave_the_spinning_session_while_it_is_measured_slower(
     assert backend.lone_session is not None
     shared, lone = RecordingSession(backend.session), RecordingSession(backend.lone_session)
     backend.session, backend.lone_session = shared, lone  # type: ignore[assignment]
-    backend.lone_choice.assume(0.010, 0.005)  # spinning measured at twice the other
+    measured(backend.lone_choice, 0.010, 0.005)  # spinning measured at twice the other
     clock = FakeClock()
     backend.clock = clock
     for _ in range(backend.lone_choice.explore_every):
@@ -336,7 +337,7 @@ def test_lone_batches_take_the_spinning_session_only_while_runs_are_sparse(
     clock = FakeClock()
     backend.clock = clock
     backend.lone_choice.explore_every = 1000  # no exploring runs in this test
-    backend.lone_choice.assume(0.005, 0.008)  # spinning measured faster
+    measured(backend.lone_choice, 0.005, 0.008)  # spinning measured faster
     for _ in range(4):  # 5 runs a second: sparse
         clock.now_s += 0.2
         backend.execute_lone(batch())
@@ -364,7 +365,7 @@ def test_long_lone_batches_back_to_back_stay_off_the_spinning_session(version_di
     shared = TimedSession(backend.session, clock, run_s=0.060)
     lone = TimedSession(backend.lone_session, clock, run_s=0.060)
     backend.session, backend.lone_session = shared, lone  # type: ignore[assignment]
-    backend.lone_choice.assume(0.005, 0.008)  # spinning measured faster
+    measured(backend.lone_choice, 0.005, 0.008)  # spinning measured faster
     backend.lone_choice.explore_every = 1000
     backend.execute(batch())  # the first run, after an idle machine
     for _ in range(40):
@@ -467,13 +468,13 @@ def test_lone_state_reports_the_choice_between_the_sessions(version_dir: Path) -
         "mean_idle_gap_ms": None,
         "sparse": True,  # the first run after a load comes after an idle
     }
-    backend.lone_choice.assume(0.004, 0.006)
+    measured(backend.lone_choice, 0.004, 0.006)
     for _ in range(3):
         clock.now_s += 0.2
         backend.execute_lone(batch())
     state = backend.lone_state()
     assert state is not None
-    assert state["runs"] == {"spinning": 5, "instance": 2}  # 2 assumed each, then 3 favoured
+    assert state["runs"] == {"spinning": 5, "instance": 2}  # 2 measured each, then 3 favoured
     assert state["favourite"] == "spinning" and state["sparse"] is True
     # The first run's idle counts as 5 gaps of 50 ms (250 ms), then two of 200 ms at 10%.
     assert state["mean_idle_gap_ms"] == pytest.approx(240.5)

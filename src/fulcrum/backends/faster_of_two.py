@@ -56,29 +56,26 @@ class FasterOfTwo:
         self.num_picks = 0
         self._since_explore = 0
 
-    def assume(self, first_s: float, second_s: float) -> None:
-        """Start from these times per row, as if each choice had run once at them (tests)."""
-        for choice, per_row_s in ((FIRST, first_s), (SECOND, second_s)):
-            self.runs[choice].clear()
-            self.runs[choice].append(per_row_s)
-            self.num_runs[choice] = UNMEASURED_RUNS + 1
-            self.per_row_s[choice] = per_row_s
-
     @property
     def favourite(self) -> int:
         """The choice with the lower median time per row (FIRST until both are measured)."""
         first, second = self.per_row_s
         return SECOND if second < first else FIRST  # a NaN compares False: FIRST
 
+    @property
+    def explore_interval(self) -> int:
+        """Picks from one exploring pick to the next: `interval`, never below `explore_every`
+        (which a caller may raise at any time)."""
+        return max(self.interval, self.explore_every)
+
     def pick(self) -> int:
-        """FIRST or SECOND: the favourite, or the other one every `interval`-th pick (never
-        more often than every `explore_every`-th, which a caller may raise at any time)."""
+        """FIRST or SECOND: the favourite, or the other one every `explore_interval`-th pick."""
         self.num_picks += 1
         unmeasured = [i for i in (FIRST, SECOND) if math.isnan(self.per_row_s[i])]
         if unmeasured:
             return unmeasured[0]
         self._since_explore += 1
-        if self._since_explore >= max(self.interval, self.explore_every):
+        if self._since_explore >= self.explore_interval:
             self._since_explore = 0
             return 1 - self.favourite
         return self.favourite

@@ -41,6 +41,12 @@ class IdleGaps:
             self.mean_gap_s = gap_s
         else:
             self.mean_gap_s += GAP_WEIGHT * (gap_s - self.mean_gap_s)
+        return self.sparse
+
+    @property
+    def sparse(self) -> bool:
+        """Whether runs are sparse now: the mean idle gap is at least the threshold (true
+        before any run: the first comes after an idle)."""
         return self.mean_gap_s >= self.min_gap_s
 
     def end(self, now_s: float) -> None:

@@ -219,7 +219,7 @@ class OnnxBackend:
         choice = self.lone_choice
         names = ("spinning", "instance")  # FIRST, SECOND
         with self._gaps_lock:
-            mean_gap_s, min_gap_s = self.gaps.mean_gap_s, self.gaps.min_gap_s
+            mean_gap_s, sparse = self.gaps.mean_gap_s, self.gaps.sparse
         return {
             "favourite": names[choice.favourite],
             "ms_per_row": {
@@ -227,9 +227,9 @@ class OnnxBackend:
                 for name, value in zip(names, choice.per_row_s, strict=True)
             },
             "runs": dict(zip(names, choice.num_runs, strict=True)),
-            "explore_every": max(choice.interval, choice.explore_every),
+            "explore_every": choice.explore_interval,
             "mean_idle_gap_ms": None if math.isinf(mean_gap_s) else round(mean_gap_s * 1e3, 3),
-            "sparse": mean_gap_s >= min_gap_s,
+            "sparse": sparse,
         }
 
     def _run_starts(self) -> tuple[float, bool]:
