@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -39,16 +40,15 @@ from corpus import sentences
 from health_under_flood import serving
 from memory_at_rest import BASELINE
 from memory_at_rest import server as bare_server
+from paired import paired_quantile_difference
 from serving_efficiency import apply_overrides
+from turn_search import measure, searches
 
 from fulcrum.client import Endpoint, build_request
 from fulcrum.demo import free_port
-from fulcrum.loadgen.bench import Bench, BenchOptions
 from fulcrum.loadgen.kserve import PreparedRequest, V2Target
 from fulcrum.loadgen.results import PointResult
-from fulcrum.loadgen.search import max_rate_under
 from fulcrum.loadgen.stats import Slo
-from fulcrum.loadgen.windows import MeasurePlan
 
 # memory_at_rest's baseline uses minilm's tuned session options; the simplest app keeps ORT's.
 TUNED_ORT = """options.intra_op_num_threads = 2
@@ -122,9 +122,9 @@ class Server:
 
     @property
     def max_rate(self) -> float | None:
-        """The median of the searches' rates (a search that found none counts as 0)."""
-        rates = sorted(r or 0.0 for r in self.max_rates)
-        return rates[len(rates) // 2] if rates else None
+        """The median of the searches' rates (a search that found none counts as 0; of an even
+        number, the mean of the middle two)."""
+        return statistics.median(r or 0.0 for r in self.max_rates) if self.max_rates else None
 
 
 def bare_requests(url: str, texts: list[str]) -> list[PreparedRequest]:
@@ -177,27 +177,7 @@ def servers(repo: Path, args: argparse.Namespace) -> Iterator[list[Server]]:
 def point(server: Server, rate: float, seconds: float, slo: Slo, seed: int) -> PointResult:
     from adaptive_vs_static import run_async
 
-    plan = MeasurePlan(warmup_s=1.0, window_s=seconds, max_duration_s=seconds, num_stable=1)
-    options = BenchOptions(model="minilm", url=server.url, plan=plan, seed=seed, timeout_s=10.0)
-    target = V2Target(Endpoint.from_url(server.url), server.requests)
-    return run_async(Bench(options, target, [slo]).point("rate", rate))
-
-
-def search(
-    server: Server, start_rate: float, seconds: float, slo: Slo, tolerance: float = 0.08
-) -> float | None:
-    from adaptive_vs_static import run_async
-
-    async def evaluate(rate: float) -> PointResult:
-        plan = MeasurePlan(warmup_s=1.0, window_s=seconds, max_duration_s=seconds, num_stable=1)
-        options = BenchOptions(model="minilm", url=server.url, plan=plan, timeout_s=10.0)
-        target = V2Target(Endpoint.from_url(server.url), server.requests)
-        return await Bench(options, target, [slo]).point("rate", rate)
-
-    steps = 9 if tolerance >= 0.08 else 12  # a finer bracket takes a few more halvings
-    found = run_async(max_rate_under(evaluate, start_rate=start_rate, rel_tolerance=tolerance,
-                                     max_steps=steps))  # fmt: skip
-    return found.best_rate
+    return run_async(measure(server, rate, seconds, slo, seed))
 
 
 def run_ends(repo: Path, args: argparse.Namespace) -> int:
@@ -241,10 +221,10 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
                 print(f"  {server.name:34} {label:>8} ({rate:5.1f}/s) P50 {p.latency.p50_ms:6.1f}"
                       f"{split} P99 {p.latency.p99_ms:7.1f} ms errors {p.errors}",
                       flush=True)  # fmt: skip
-        for _ in range(0 if args.no_search else args.search_repeats):
-            for server in all_servers:
-                start = args.search_start or max(8.0, 0.5 * capacity)
-                best = search(server, start, args.search_s, slo, args.search_tolerance)
+        for k in range(0 if args.no_search else args.search_repeats):
+            start = args.search_start or max(8.0, 0.5 * capacity)
+            found = run_async(searches(all_servers, start, args, slo, k % len(all_servers)))
+            for server, best in zip(all_servers, found, strict=True):
                 server.max_rates.append(best)
                 print(f"  {server.name}: max rate with P99 <= {args.slo_ms:g} ms: {best}",
                       flush=True)  # fmt: skip
@@ -304,7 +284,12 @@ def ends_report(all_servers: list[Server], capacity: float, args: argparse.Names
         mid = {k: f"{min(v):.0f}-{max(v):.0f}" for k, v in spread.items() if len(v) > 1}
         ratio = (f"{server.max_rate / bare.max_rate:.2f}x" if server.max_rate and bare.max_rate
                  else "-")  # fmt: skip
-        print(f"{server.name}: P99 spread over repeats {mid}; max rate vs bare {ratio} (goal 1.5x)")
+        pairs = zip(server.max_rates, bare.max_rates, strict=True)  # search k: same round
+        each = ", ".join("-" if not (ours and theirs) else f"{ours / theirs:.2f}x"
+                         for ours, theirs in pairs)  # fmt: skip
+        print(f"{server.name}: P99 spread over repeats {mid}; max rate vs bare {ratio} (goal "
+              f"1.5x; per search: {each or '-'})")  # fmt: skip
+    light_against(bare, all_servers[:-1])
     for server in all_servers:
         if server.idle_cpu_s is not None:
             rss_mb = (server.rss_bytes or 0) / 2**20
@@ -318,6 +303,31 @@ def ends_report(all_servers: list[Server], capacity: float, args: argparse.Names
     (args.out / "ends.json").write_text(json.dumps({"capacity_rps": capacity, **data}, indent=1))
 
 
+def light_against(bare: Server, others: list[Server]) -> None:
+    """Each server's light-load P50 and P99 minus the bare app's, per rate and over all light
+    rates, paired by repeat (same arrivals) with a bootstrap interval (`paired`)."""
+    labels = [label for label in bare.points if label.endswith(" rps")]
+    if not labels:
+        return
+    print("\nlight load, minus the bare app (ms; the mean of the repeats' differences, its "
+          "90% interval drawing repeats and requests again):")  # fmt: skip
+    for server in others:
+        for q, name in ((0.5, "P50"), (0.99, "P99")):
+            cells = {
+                label: ([p.cdf_ms for p in server.points[label]],
+                        [p.cdf_ms for p in bare.points[label]])
+                for label in labels
+            }  # fmt: skip
+            for label, (ours, theirs) in cells.items():
+                d = paired_quantile_difference(ours, theirs, q)
+                print(f"  {server.name:20} {name} {label:>7}: {d.describe()}")
+            ours = [x for pair in cells.values() for x in pair[0]]
+            theirs = [x for pair in cells.values() for x in pair[1]]
+            total = paired_quantile_difference(ours, theirs, q)
+            print(f"  {server.name:20} {name}     all: {total.estimate:+.2f} (90% interval "
+                  f"{total.low:+.2f} to {total.high:+.2f}, {len(ours)} cells)")  # fmt: skip
+
+
 def _points_json(server: Server) -> dict[str, list[dict[str, object]]]:
     return {
         label: [
@@ -328,6 +338,7 @@ def _points_json(server: Server) -> dict[str, list[dict[str, object]]]:
                 "errors": p.errors,
                 "n": p.num_requests,
                 "slo_met": p.slo_met,
+                "latencies_ms": p.cdf_ms,  # sorted; every answer up to 1,000 of them
             }
             for p in points
         ]
