@@ -1,7 +1,7 @@
 """How far apart two servers' latency quantiles are when both ran the same repeats, and how sure.
 
 On a shared machine one repeat's P50 moves by more than the gap being measured, and it moves
-for both servers alike (they run interleaved, on the same arrival times). So the difference is
+for both servers alike (they run in turn, on the same arrival times). So the difference is
 taken within each repeat and averaged over repeats; its interval is a two-level bootstrap:
 repeats drawn with replacement, then each drawn repeat's requests drawn with replacement for
 both servers. An interval whose top is at or below zero says "no worse" beyond the noise.
@@ -22,10 +22,11 @@ class Difference:
     estimate: float
     low: float
     high: float
+    confidence: float  # of the interval low..high
     per_repeat: list[float]
 
-    def describe(self, confidence: float = 0.9) -> str:
-        return (f"{self.estimate:+.2f} ({confidence:.0%} interval {self.low:+.2f} to "
+    def describe(self) -> str:
+        return (f"{self.estimate:+.2f} ({self.confidence:.0%} interval {self.low:+.2f} to "
                 f"{self.high:+.2f}; per repeat " + ", ".join(f"{d:+.1f}" for d in self.per_repeat)
                 + ")")  # fmt: skip
 
@@ -55,7 +56,7 @@ def paired_quantile_difference(
     means = within[picks, np.arange(num_boot)[:, None]].mean(axis=1)
     tail = (1.0 - confidence) / 2
     low, high = np.quantile(means, [tail, 1.0 - tail])
-    return Difference(float(np.mean(per_repeat)), float(low), float(high), per_repeat)
+    return Difference(float(np.mean(per_repeat)), float(low), float(high), confidence, per_repeat)
 
 
 def _boot(sample: Sequence[float], quantile: float, num_boot: int, rng: np.random.Generator
