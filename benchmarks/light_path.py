@@ -8,11 +8,12 @@ runs in a child process (this script with --serve) with timestamps patched in al
 ASGI entry, Service.infer, DynamicBatcher.submit, the batch's launch, InstancePool.run, the
 backend's execute on the instance thread, the ORT run, the result back on the loop, the
 response's first and last send; a client process sends one JSON request at a time after a
-random 0.5-1.5x --gap-s pause (keep-alive). Stamps are `time.perf_counter()` (CLOCK_MONOTONIC on
-Linux), so the client's and the server's compare. Per kind: the median of each step, of the
-total and of the time outside the ORT run. Kinds run in turn, --rounds times (interleaved,
-each round starting one kind further on), the first 10 requests of each run unmeasured.
-Kinds: `fulcrum` (the repository's config), `bare`
+random 0.5-1.5x --gap-s pause (keep-alive; `--client asyncio`: the load generator's own
+client, fulcrum.client on uvloop, instead of http.client). Stamps are `time.perf_counter()`
+(CLOCK_MONOTONIC on Linux), so the client's and the server's compare. Per kind: the median
+of each step, of the total and of the time outside the ORT run. Kinds run in turn, --rounds
+times (interleaved, each round starting one kind further on), the first 10 requests of each run
+unmeasured. Kinds: `fulcrum` (the repository's config), `bare`
 (ORT defaults: threads = cores, spinning on), `bare_tuned` (2 threads, no spinning, as
 Fulcrum's minilm), `fulcrum_spin` (spinning within runs), `fulcrum_t1` (one intra-op thread),
 `fulcrum_idle_spin` (`spin_when_idle`), `fulcrum_dbb` (`dynamic_block_base = 4`), `fulcrum_stop`
@@ -64,6 +65,30 @@ for _ in range(n):
     out.append((t0, time.perf_counter()))
 print(json.dumps(out))
 """
+# The same, through the load generator's own HTTP client (asyncio, uvloop, fulcrum.client), which
+# `adaptive_vs_static.py --ends` measures with: the two clients disagreed on the light-load gap.
+CLIENT_ASYNC = r"""
+import asyncio, json, random, sys, time
+import uvloop
+from fulcrum.client import Connection, Endpoint, build_request
+port, path, body = int(sys.argv[1]), sys.argv[2], sys.argv[5]
+n, gap = int(sys.argv[3]), float(sys.argv[4])
+async def main():
+    endpoint = Endpoint.from_url(f"http://127.0.0.1:{port}")
+    headers = {"Content-Type": "application/json"}
+    raw = build_request(endpoint, "POST", path, headers=headers, body=body.encode())
+    conn, rnd, out = Connection(endpoint), random.Random(1), []
+    for _ in range(n):
+        await asyncio.sleep(rnd.uniform(0.5 * gap, 1.5 * gap))  # the idle gap is the workload
+        t0 = time.perf_counter()
+        response = await conn.request(raw, timeout_s=10.0)
+        assert response.status == 200, response.status
+        out.append((t0, time.perf_counter()))
+    conn.close()
+    print(json.dumps(out))
+uvloop.run(main())
+"""
+CLIENTS = {"http.client": CLIENT, "asyncio": CLIENT_ASYNC}
 
 BARE = """
 import numpy as np, onnxruntime as ort
@@ -224,8 +249,8 @@ def serve(args: argparse.Namespace) -> None:
     def client() -> None:
         while not server.started:
             time.sleep(0.1)  # start-up, not measured
-        command = [sys.executable, "-c", CLIENT, str(port), path, str(args.requests),
-                   str(args.gap_s), json.dumps(request)]  # fmt: skip
+        command = [sys.executable, "-c", CLIENTS[args.client], str(port), path,
+                   str(args.requests), str(args.gap_s), json.dumps(request)]  # fmt: skip
         sent.extend(json.loads(subprocess.run(command, capture_output=True, check=True).stdout))
         server.should_exit = True
 
@@ -258,6 +283,8 @@ def main() -> int:
     parser.add_argument("--gap-s", type=float, default=0.15)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kinds", default="fulcrum,bare,bare_tuned,fulcrum_spin,fulcrum_t1")
+    parser.add_argument("--client", choices=sorted(CLIENTS), default="http.client",
+                        help="the client: http.client, or the load generator's")  # fmt: skip
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -271,7 +298,7 @@ def main() -> int:
         for kind in kinds[shift:] + kinds[:shift]:
             command = [sys.executable, __file__, "--serve", kind, "--repository",
                        str(args.repository), "--requests", str(args.requests),
-                       "--gap-s", str(args.gap_s)]  # fmt: skip
+                       "--gap-s", str(args.gap_s), "--client", args.client]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             summary = summarize(kind, json.loads(done.stdout.strip().splitlines()[-1]))
             found.setdefault(kind, []).append(summary)
