@@ -13,11 +13,13 @@ Light load: Poisson at 2, 5 and 10 requests/s, P50 and P99, each --light-repeats
 50% and 80% of the capacity under Triton's rules (the adaptive policy's 503s would lower it), each
 repeated --repeats times (P99 of each and their spread). Then the highest Poisson rate whose P99 (a
 failure counting as late) is <= the SLO, by the load generator's bisection (`max_rate_under`), for
-each server, in turn, --search-repeats times. Every repeat runs all servers before the next repeat
-starts, so a drift of the shared machine reaches every server alike. Last, each server's CPU
-seconds over --idle-s seconds with no requests (all servers idle at once). Every point prints the
-median of each server's own time (Server-Timing `total`) and of the rest (send to answer, less
-it); --split makes the bare app answer that header too, timing its handler as Fulcrum does.
+every server at once with their points taken in turns (`turn_search`), --search-repeats times.
+Every repeat runs all servers before the next repeat starts, so a drift of the shared machine
+reaches every server alike. Last, each server's CPU seconds over --idle-s seconds with no
+requests (all servers idle at once). Every point prints the median of each server's own time
+(Server-Timing `total`) and of the rest (send to answer, less it); --split makes the bare app
+answer that header too, timing its handler as Fulcrum does. The report ends with each server's
+light-load P50 and P99 minus the bare app's, paired by repeat with an interval (`paired`).
 """
 
 from __future__ import annotations
@@ -312,20 +314,21 @@ def light_against(bare: Server, others: list[Server]) -> None:
     print("\nlight load, minus the bare app (ms; the mean of the repeats' differences, its "
           "90% interval drawing repeats and requests again):")  # fmt: skip
     for server in others:
+        cells = {
+            label: ([p.cdf_ms for p in server.points[label]],
+                    [p.cdf_ms for p in bare.points[label]])
+            for label in labels
+        }  # fmt: skip
+        ours = [x for pair in cells.values() for x in pair[0]]  # every light cell, as repeats
+        theirs = [x for pair in cells.values() for x in pair[1]]
         for q, name in ((0.5, "P50"), (0.99, "P99")):
-            cells = {
-                label: ([p.cdf_ms for p in server.points[label]],
-                        [p.cdf_ms for p in bare.points[label]])
-                for label in labels
-            }  # fmt: skip
-            for label, (ours, theirs) in cells.items():
-                d = paired_quantile_difference(ours, theirs, q)
+            for label, (our_cells, their_cells) in cells.items():
+                d = paired_quantile_difference(our_cells, their_cells, q)
                 print(f"  {server.name:20} {name} {label:>7}: {d.describe()}")
-            ours = [x for pair in cells.values() for x in pair[0]]
-            theirs = [x for pair in cells.values() for x in pair[1]]
             total = paired_quantile_difference(ours, theirs, q)
-            print(f"  {server.name:20} {name}     all: {total.estimate:+.2f} (90% interval "
-                  f"{total.low:+.2f} to {total.high:+.2f}, {len(ours)} cells)")  # fmt: skip
+            print(f"  {server.name:20} {name}     all: {total.estimate:+.2f} ("
+                  f"{total.confidence:.0%} interval {total.low:+.2f} to {total.high:+.2f}, "
+                  f"{len(ours)} cells)")  # fmt: skip
 
 
 def _points_json(server: Server) -> dict[str, list[dict[str, object]]]:
