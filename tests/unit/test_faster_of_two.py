@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fulcrum.backends.faster_of_two import FIRST, SECOND, WINDOW, FasterOfTwo
+from fulcrum.backends.faster_of_two import FIRST, OTHER_WINDOW, SECOND, WINDOW, FasterOfTwo
 
 
 def run(chooser: FasterOfTwo, times_s: dict[int, float], num: int) -> list[int]:
@@ -88,6 +88,43 @@ def test_a_slowed_favourite_is_dropped_however_wide_the_interval() -> None:
     picks = run(chooser, {FIRST: 0.030, SECOND: 0.010}, WINDOW // 2 + 1)
     assert chooser.favourite == SECOND
     assert picks[-1] == SECOND
+
+
+def test_a_winning_exploring_run_is_followed_by_more_at_once() -> None:
+    """The other's older runs (a slow spell long past) do not hold it back once it is faster:
+    each exploring run that beats the favourite brings the next pick to it, and its estimate
+    is its last few runs, so it takes over in a few picks, not a few intervals."""
+    chooser = FasterOfTwo(explore_every=4, max_explore_every=64)
+    run(chooser, {FIRST: 0.010, SECOND: 0.007}, 400)
+    assert chooser.favourite == SECOND
+    assert chooser.interval == 64
+    assert len(chooser.runs[FIRST]) > OTHER_WINDOW  # all from the slow spell
+    fast = {FIRST: 0.005, SECOND: 0.007}
+    picks = run(chooser, fast, 64)
+    first = picks.index(FIRST)  # the interval's exploring pick
+    picks = picks[first:] + run(chooser, fast, OTHER_WINDOW)
+    # Wins in a row until FIRST's last OTHER_WINDOW runs have a median of 5 ms: 3 of them.
+    assert picks[:3] == [FIRST, FIRST, FIRST]
+    assert chooser.favourite == FIRST
+    run(chooser, {FIRST: 0.005, SECOND: 0.007}, 3 * WINDOW)
+    assert chooser.per_row_s[FIRST] == pytest.approx(0.005)
+
+
+def test_a_choice_that_takes_over_keeps_only_its_latest_runs() -> None:
+    chooser = FasterOfTwo(explore_every=4, max_explore_every=64)
+    run(chooser, {FIRST: 0.010, SECOND: 0.007}, 400)
+    run(chooser, {FIRST: 0.005, SECOND: 0.007}, 70)
+    assert chooser.favourite == FIRST
+    # Its window keeps the runs that won and those since: of the slow spell's 16, at most the
+    # two that the winning median of 5 outvoted.
+    assert chooser.runs[FIRST].count(0.010) <= OTHER_WINDOW // 2
+    assert len(chooser.runs[FIRST]) == WINDOW
+
+
+def test_a_losing_exploring_run_is_not_followed() -> None:
+    chooser = FasterOfTwo(explore_every=4)
+    picks = run(chooser, {FIRST: 0.0052, SECOND: 0.005}, 40)
+    assert explored(picks, FIRST) == [1, 2, 8, 12, 16, 20, 24, 28, 32, 36, 40]
 
 
 def test_two_slow_runs_in_a_row_do_not_move_the_favourite() -> None:

@@ -4,7 +4,7 @@ Spinning threads make a lone run faster on idle cores and slower on cores shared
 processes, so which session serves a lone batch is measured, not assumed: the favourite runs
 most batches, the other one now and then, so its estimate follows the machine.
 
-- The estimate is the median time per row of a choice's last `WINDOW` runs. On a shared machine
+- The favourite's estimate is the median time per row of its last `WINDOW` runs. On a shared machine
   a two-thread run now and then takes 2-3x its usual time (a pool thread preempted); a moving
   mean over two such runs in a row handed the lone batches to a session slower at the median.
 - Each exploring run costs a request what the other choice is slower by. While exploring keeps
@@ -13,6 +13,11 @@ most batches, the other one now and then, so its estimate follows the machine.
   up to `max_explore_every`. A close or reversed result brings the interval back at once.
 - The favourite's own estimate is fresh from every run, so a favourite that slows down is
   dropped as soon as its median passes the other's, however wide the interval.
+- An exploring run faster than the favourite's median is followed by another at once, and so on
+  while they keep winning: the other's window, filled one run per interval, may hold runs from a
+  slow spell long past. For the same reason the other's estimate is the median of its last
+  `OTHER_WINDOW` runs, and a choice that takes over drops its older ones. Without these, 4 of 6
+  fresh servers on a 2-core VM handed 39-61% of their first 150 lone runs to the slower session.
 """
 
 from __future__ import annotations
@@ -22,10 +27,16 @@ import statistics
 from collections import deque
 
 FIRST, SECOND = 0, 1
-# Runs per choice whose median is its estimate.
-WINDOW = 8
+# Runs of the favourite whose median is its estimate: a two-thread lone run's time on a shared
+# 2-core VM is wide (a median of 5.3 ms with runs of 3.3-17), so a median of 8 runs fell above
+# the other session's steady 6.8 ms often enough to hand it lone runs (replaying measured runs:
+# 23% of them, against 15% with 16).
+WINDOW = 16
 # An exploring run this much slower per row than the favourite's median is a clear loss.
 CLEAR_LOSS = 1.2
+# The other choice's estimate is the median of its last few runs only: they come one per
+# exploring interval (8-64 picks), so a full window would reach back minutes.
+OTHER_WINDOW = 5
 # Each choice's first run is not measured: right after a load its caches are cold and ORT
 # allocates its buffers, a run several times slower than any later one.
 UNMEASURED_RUNS = 1
@@ -34,8 +45,9 @@ MIN_RUNS_TO_WIDEN = 3
 
 
 class FasterOfTwo:
-    """The median seconds per row of each of two choices' last runs; `pick` the faster, trying
-    the other now and then.
+    """The median seconds per row of each of two choices' last runs (the favourite's last
+    `WINDOW`, the other's last `OTHER_WINDOW`); `pick` the faster, trying the other now and
+    then.
 
     Pure and deterministic (no clock, no randomness): the caller times each run and reports it
     with `observe`. A choice not yet measured is picked first (FIRST before SECOND), twice: its
@@ -80,9 +92,18 @@ class FasterOfTwo:
             return 1 - self.favourite
         return self.favourite
 
+    def _estimate(self) -> None:
+        """Each choice's median: over its whole window for the favourite (fresh from every
+        run), over its last `OTHER_WINDOW` runs for the other (one per exploring interval)."""
+        favourite = self.favourite
+        for choice, runs in enumerate(self.runs):
+            latest = list(runs) if choice == favourite else list(runs)[-OTHER_WINDOW:]
+            self.per_row_s[choice] = statistics.median(latest) if latest else math.nan
+
     def observe(self, choice: int, run_s: float, num_rows: int) -> None:
         """Add one run of `choice` (its seconds and rows) to its window; after an exploring
-        run, widen the exploring interval on a clear loss, else narrow it back."""
+        run, explore again at once if it beat the favourite, widen the exploring interval on a
+        clear loss, else narrow it back."""
         per_row_s = run_s / max(1, num_rows)
         favourite = self.favourite
         best_s = self.per_row_s[favourite]
@@ -90,9 +111,21 @@ class FasterOfTwo:
         if self.num_runs[choice] <= UNMEASURED_RUNS:
             return
         self.runs[choice].append(per_row_s)
-        self.per_row_s[choice] = statistics.median(self.runs[choice])
+        self._estimate()
+        if self.favourite != favourite and not math.isnan(best_s):
+            # The other took over on its latest runs: its older ones, spread over many
+            # intervals, may be from a slow spell long past, and would pull it straight back.
+            taken = self.runs[self.favourite]
+            latest = list(taken)[-OTHER_WINDOW:]
+            taken.clear()
+            taken.extend(latest)
+            self._estimate()
         measured = self.num_runs[choice] - UNMEASURED_RUNS
-        if choice == favourite or math.isnan(best_s) or measured < MIN_RUNS_TO_WIDEN:
+        if choice == favourite or math.isnan(best_s):
+            return
+        if per_row_s < best_s and self.favourite == favourite:
+            self._since_explore = self.explore_interval - 1  # the next pick explores again
+        if measured < MIN_RUNS_TO_WIDEN:
             return
         clear = min(per_row_s, self.per_row_s[choice]) > CLEAR_LOSS * best_s
         if clear and self.favourite == favourite:
