@@ -30,6 +30,7 @@ import shutil
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -223,6 +224,8 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
                 print(f"  {server.name:34} {label:>8} ({rate:5.1f}/s) P50 {p.latency.p50_ms:6.1f}"
                       f"{split} P99 {p.latency.p99_ms:7.1f} ms errors {p.errors}",
                       flush=True)  # fmt: skip
+        if args.light_repeats:
+            lone_sessions(all_servers)
         for k in range(0 if args.no_search else args.search_repeats):
             start = args.search_start or max(8.0, 0.5 * capacity)
             found = run_async(searches(all_servers, start, args, slo, k % len(all_servers)))
@@ -234,6 +237,22 @@ def run_ends(repo: Path, args: argparse.Namespace) -> int:
             idle_cpu(all_servers, args.idle_s)
     ends_report(all_servers, capacity, args)
     return 0
+
+
+def lone_sessions(all_servers: list[Server]) -> None:
+    """Which session each Fulcrum server's lone batches took so far (its statistics API)."""
+    for server in all_servers:
+        if server.name == BARE:
+            continue
+        url = f"{server.url}/v2/models/minilm/stats"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            rows = json.load(answer).get("model_stats", [])
+        for state in (s for row in rows for s in row.get("lone_session", [])):
+            print(
+                f"  {server.name}: lone batches by session {state['runs']}, median ms per "
+                f"row {state['ms_per_row']}, favourite {state['favourite']}",
+                flush=True,
+            )
 
 
 def idle_cpu(all_servers: list[Server], seconds: float) -> None:

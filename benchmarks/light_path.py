@@ -2,14 +2,17 @@
 
     .venv/bin/python benchmarks/light_path.py --repository /tmp/bench_models [--rounds 3]
         [--requests 70] [--gap-s 0.15] [--kinds fulcrum,bare,fulcrum_spin]
+        [--texts {fixed,corpus}] [--arrivals {uniform,poisson}] [--client {http.client,asyncio}]
 
 Light load on this VM means one request at a time after an idle gap. For each kind, a server
 runs in a child process (this script with --serve) with timestamps patched in along the path:
 ASGI entry, Service.infer, DynamicBatcher.submit, the batch's launch, InstancePool.run, the
 backend's execute on the instance thread, the ORT run, the result back on the loop, the
 response's first and last send; a client process sends one JSON request at a time after a
-random 0.5-1.5x --gap-s pause (keep-alive; `--client asyncio`: the load generator's own
-client, fulcrum.client on uvloop, instead of http.client). Stamps are `time.perf_counter()`
+random 0.5-1.5x --gap-s pause (`--arrivals poisson`: at Poisson arrival times, as the load
+generator's open loop; `--texts corpus`: `--ends`' 256 sentences in turn; keep-alive;
+`--client asyncio`: the load generator's own client, fulcrum.client on uvloop, instead of
+http.client). Stamps are `time.perf_counter()`
 (CLOCK_MONOTONIC on Linux), so the client's and the server's compare. Per kind: the median
 of each step, of the total and of the time outside the ORT run. Kinds run in turn, --rounds
 times (interleaved, each round starting one kind further on), the first 10 requests of each run
@@ -17,7 +20,9 @@ unmeasured. Kinds: `fulcrum` (the repository's config), `bare`
 (ORT defaults: threads = cores, spinning on), `bare_tuned` (2 threads, no spinning, as
 Fulcrum's minilm), `fulcrum_spin` (spinning within runs), `fulcrum_t1` (one intra-op thread),
 `fulcrum_idle_spin` (`spin_when_idle`), `fulcrum_dbb` (`dynamic_block_base = 4`), `fulcrum_stop`
-(`spin_between_runs = false`: spinning stops when a run returns). Each
+(`spin_between_runs = false`: spinning stops when a run returns), `fulcrum_nodbb` (no
+`dynamic_block_base`); `fulcrum_serve` and `bare_serve` run the server as `--ends` does, in its
+own process (`fulcrum serve`; `--ends`' bare app), with the client's stamps only. Each
 kind's parameters are merged into the config's as the backend reads them (before 2026-12-02
 only the session options saw them, so `fulcrum_idle_spin` built no second session).
 """
@@ -30,11 +35,15 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from corpus import sentences
 
 MARKS: list[tuple[str, float]] = []
 RUNS: list[list[tuple[str, float]]] = []
@@ -47,19 +56,28 @@ KIND_PARAMETERS: dict[str, dict[str, object]] = {
     "fulcrum_idle_spin": {"spin_when_idle": True},
     "fulcrum_stop": {"spin_between_runs": False},
     "fulcrum_dbb": {"dynamic_block_base": 4},
+    "fulcrum_nodbb": {"dynamic_block_base": 0},
 }
 TEXT = "The quick brown fox jumps over the lazy dog near the quiet river bank today."
 
+# Both clients read the request bodies (a JSON list) on stdin and send them in turn; the gaps:
+# uniform in 0.5-1.5x gap after each answer, or Poisson arrivals (each send at its scheduled
+# time, or at once when the answer before came later), as the load generator's open loop.
 CLIENT = r"""
 import http.client, json, random, sys, time
-port, path, body = int(sys.argv[1]), sys.argv[2], sys.argv[5]
-n, gap = int(sys.argv[3]), float(sys.argv[4])
+port, path, n, gap = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+arrivals = sys.argv[5]
+bodies = [b.encode() for b in json.load(sys.stdin)]
 conn = http.client.HTTPConnection("127.0.0.1", port)
-rnd, out = random.Random(1), []
-for _ in range(n):
-    time.sleep(rnd.uniform(0.5 * gap, 1.5 * gap))  # the idle gap is the workload
+rnd, out, due = random.Random(1), [], time.perf_counter()
+for i in range(n):
+    if arrivals == "poisson":
+        due += rnd.expovariate(1 / gap)
+        time.sleep(max(0.0, due - time.perf_counter()))
+    else:
+        time.sleep(rnd.uniform(0.5 * gap, 1.5 * gap))  # the idle gap is the workload
     t0 = time.perf_counter()
-    conn.request("POST", path, body.encode(), {"Content-Type": "application/json"})
+    conn.request("POST", path, bodies[i % len(bodies)], {"Content-Type": "application/json"})
     response = conn.getresponse(); response.read()
     assert response.status == 200, response.status
     out.append((t0, time.perf_counter()))
@@ -71,17 +89,22 @@ CLIENT_ASYNC = r"""
 import asyncio, json, random, sys, time
 import uvloop
 from fulcrum.client import Connection, Endpoint, build_request
-port, path, body = int(sys.argv[1]), sys.argv[2], sys.argv[5]
-n, gap = int(sys.argv[3]), float(sys.argv[4])
+port, path, n, gap = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+arrivals = sys.argv[5]
+bodies = [b.encode() for b in json.load(sys.stdin)]
 async def main():
     endpoint = Endpoint.from_url(f"http://127.0.0.1:{port}")
     headers = {"Content-Type": "application/json"}
-    raw = build_request(endpoint, "POST", path, headers=headers, body=body.encode())
-    conn, rnd, out = Connection(endpoint), random.Random(1), []
-    for _ in range(n):
-        await asyncio.sleep(rnd.uniform(0.5 * gap, 1.5 * gap))  # the idle gap is the workload
+    raws = [build_request(endpoint, "POST", path, headers=headers, body=b) for b in bodies]
+    conn, rnd, out, due = Connection(endpoint), random.Random(1), [], time.perf_counter()
+    for i in range(n):
+        if arrivals == "poisson":
+            due += rnd.expovariate(1 / gap)
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        else:
+            await asyncio.sleep(rnd.uniform(0.5 * gap, 1.5 * gap))  # the idle gap is the workload
         t0 = time.perf_counter()
-        response = await conn.request(raw, timeout_s=10.0)
+        response = await conn.request(raws[i % len(raws)], timeout_s=10.0)
         assert response.status == 200, response.status
         out.append((t0, time.perf_counter()))
     conn.close()
@@ -220,38 +243,79 @@ def fulcrum_app(repo: Path, kind: str) -> tuple[Asgi, Any]:
     return app, protocol_with(EdgeLimits(), EarlyRefusal(service))
 
 
+def bodies(kind: str, texts: list[str]) -> tuple[str, list[str]]:
+    """The infer path and one JSON body per text for this kind's server."""
+    if kind.startswith("fulcrum"):
+        tensor = {"name": "text", "datatype": "BYTES", "shape": [1, 1]}
+        return "/v2/models/minilm/infer", [
+            json.dumps({"inputs": [{**tensor, "data": [t]}]}) for t in texts
+        ]
+    return "/embed", [json.dumps({"texts": [t]}) for t in texts]  # fmt: skip
+
+
+def send(args: argparse.Namespace, port: int, path: str, texts: list[str]) -> list[list[float]]:
+    """The client process's (send, answer) stamps."""
+    command = [sys.executable, "-c", CLIENTS[args.client], str(port), path, str(args.requests),
+               str(args.gap_s), args.arrivals]  # fmt: skip
+    done = subprocess.run(command, input=json.dumps(texts), capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    sent: list[list[float]] = json.loads(done.stdout)
+    return sent
+
+
+def serve_apart(args: argparse.Namespace, texts: list[str]) -> list[dict[str, float]]:
+    """`fulcrum_serve` and `bare_serve`: the server in its own process, as `--ends` runs it
+    (`fulcrum serve`; adaptive_ends' bare app); only the client's stamps."""
+    from adaptive_ends import bare_app
+    from health_under_flood import serving
+    from memory_at_rest import server as bare_server
+
+    from fulcrum.demo import free_port
+
+    path, requests = bodies(args.serve, texts)
+    with tempfile.TemporaryDirectory() as logs:
+        if args.serve == "fulcrum_serve":
+            src = Path(__file__).resolve().parents[1] / "src"
+            with serving(args.repository, src, Path(logs) / "serve.log") as (_, port):
+                sent = send(args, port, path, requests)
+        else:
+            port = free_port()
+            command = [sys.executable, "-c", bare_app(), str(args.repository / "minilm" / "1"),
+                       str(port)]  # fmt: skip
+            with bare_server(command, f"http://127.0.0.1:{port}/health", Path(logs) / "b.log"):
+                sent = send(args, port, path, requests)
+    return [{"client_send": a, "client_recv": b} for a, b in sent[10:]]
+
+
 def serve(args: argparse.Namespace) -> None:
     """Run one kind's server in this process and one client process against it; print JSON."""
     import uvicorn
 
     from fulcrum.demo import free_port
 
+    texts = [TEXT] if args.texts == "fixed" else sentences(256, 12, seed=1)
+    if args.serve.endswith("_serve"):
+        print(json.dumps(serve_apart(args, texts)))
+        return
     port, kind = free_port(), args.serve
+    path, requests = bodies(kind, texts)
     if kind.startswith("fulcrum"):
         app, http = fulcrum_app(args.repository, kind)
-        path = "/v2/models/minilm/infer"
-        request: dict[str, object] = {
-            "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": [TEXT]}]
-        }
     else:
         namespace: dict[str, Any] = {}
         exec(BARE, namespace)  # the bare app's own module text, as a user would write it
         model_dir = args.repository / "minilm" / "1"
         app = stamped(namespace["build"](model_dir, mark, kind == "bare_tuned"), "/embed")
         http = "httptools"
-        path = "/embed"
-        request = {"texts": [TEXT]}
     config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", http=http,
                             log_level="warning", access_log=False, lifespan="on")  # fmt: skip
     server = uvicorn.Server(config)
-    sent: list[tuple[float, float]] = []
+    sent: list[list[float]] = []
 
     def client() -> None:
         while not server.started:
             time.sleep(0.1)  # start-up, not measured
-        command = [sys.executable, "-c", CLIENTS[args.client], str(port), path,
-                   str(args.requests), str(args.gap_s), json.dumps(request)]  # fmt: skip
-        sent.extend(json.loads(subprocess.run(command, capture_output=True, check=True).stdout))
+        sent.extend(send(args, port, path, requests))
         server.should_exit = True
 
     thread = threading.Thread(target=client)
@@ -267,6 +331,8 @@ def serve(args: argparse.Namespace) -> None:
 def summarize(kind: str, rows: list[dict[str, float]]) -> dict[str, float]:
     steps = [s for s in STEPS if all(s in r for r in rows)]
     out = {"total": statistics.median(r["client_recv"] - r["client_send"] for r in rows) * 1e3}
+    if "ort_in" not in steps:  # a server in its own process: the client's stamps only
+        return out
     out["ort"] = statistics.median(r["ort_out"] - r["ort_in"] for r in rows) * 1e3
     out["outside_ort"] = statistics.median(
         (r["client_recv"] - r["client_send"]) - (r["ort_out"] - r["ort_in"]) for r in rows
@@ -285,6 +351,10 @@ def main() -> int:
     parser.add_argument("--kinds", default="fulcrum,bare,bare_tuned,fulcrum_spin,fulcrum_t1")
     parser.add_argument("--client", choices=sorted(CLIENTS), default="http.client",
                         help="the client: http.client, or the load generator's")  # fmt: skip
+    parser.add_argument("--texts", choices=["fixed", "corpus"], default="fixed",
+                        help="one 16-word text, or --ends' 256 sentences in turn")  # fmt: skip
+    parser.add_argument("--arrivals", choices=["uniform", "poisson"], default="uniform",
+                        help="uniform gaps after answers, or Poisson arrival times")  # fmt: skip
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -298,12 +368,14 @@ def main() -> int:
         for kind in kinds[shift:] + kinds[:shift]:
             command = [sys.executable, __file__, "--serve", kind, "--repository",
                        str(args.repository), "--requests", str(args.requests),
-                       "--gap-s", str(args.gap_s), "--client", args.client]  # fmt: skip
+                       "--gap-s", str(args.gap_s), "--client", args.client,
+                       "--texts", args.texts, "--arrivals", args.arrivals]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             summary = summarize(kind, json.loads(done.stdout.strip().splitlines()[-1]))
             found.setdefault(kind, []).append(summary)
-            print(f"{kind:12} total {summary['total']:6.2f} ORT {summary['ort']:6.2f} "
-                  f"outside ORT {summary['outside_ort']:5.2f} ms", flush=True)  # fmt: skip
+            inside = (f" ORT {summary['ort']:6.2f} outside ORT {summary['outside_ort']:5.2f}"
+                      if "ort" in summary else "")  # fmt: skip
+            print(f"{kind:12} total {summary['total']:6.2f}{inside} ms", flush=True)
     for kind, rounds in found.items():
         print(f"\n{kind}: median over {len(rounds)} rounds of each round's median, ms")
         for key in rounds[0]:
