@@ -250,14 +250,15 @@ def bodies(kind: str, texts: list[str]) -> tuple[str, list[str]]:
         return "/v2/models/minilm/infer", [
             json.dumps({"inputs": [{**tensor, "data": [t]}]}) for t in texts
         ]
-    return "/embed", [json.dumps({"texts": [t]}) for t in texts]  # fmt: skip
+    return "/embed", [json.dumps({"texts": [t]}) for t in texts]
 
 
-def send(args: argparse.Namespace, port: int, path: str, texts: list[str]) -> list[list[float]]:
-    """The client process's (send, answer) stamps."""
+def send(args: argparse.Namespace, port: int, path: str, payloads: list[str]
+         ) -> list[list[float]]:  # fmt: skip
+    """The client process's (send, answer) stamps, sending `payloads` in turn."""
     command = [sys.executable, "-c", CLIENTS[args.client], str(port), path, str(args.requests),
                str(args.gap_s), args.arrivals]  # fmt: skip
-    done = subprocess.run(command, input=json.dumps(texts), capture_output=True, text=True,
+    done = subprocess.run(command, input=json.dumps(payloads), capture_output=True, text=True,
                           check=True)  # fmt: skip
     sent: list[list[float]] = json.loads(done.stdout)
     return sent
