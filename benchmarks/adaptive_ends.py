@@ -20,6 +20,8 @@ requests (all servers idle at once). Every point prints the median of each serve
 (Server-Timing `total`) and of the rest (send to answer, less it); --split makes the bare app
 answer that header too, timing its handler as Fulcrum does. The report ends with each server's
 light-load P50 and P99 minus the bare app's, paired by repeat with an interval (`paired`).
+After the light points, each Fulcrum server's lone batches by session (spinning or one-thread)
+are printed from its statistics API.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def test_a_winning_exploring_run_is_followed_by_more_at_once() -> None:
     # Wins in a row until FIRST's last OTHER_WINDOW runs have a median of 5 ms: 3 of them.
     assert picks[:3] == [FIRST, FIRST, FIRST]
     assert chooser.favourite == FIRST
-    run(chooser, {FIRST: 0.005, SECOND: 0.007}, 3 * WINDOW)
+    run(chooser, fast, 3 * WINDOW)
     assert chooser.per_row_s[FIRST] == pytest.approx(0.005)
 
 
@@ -115,7 +115,7 @@ def test_a_choice_that_takes_over_keeps_only_its_latest_runs() -> None:
     run(chooser, {FIRST: 0.010, SECOND: 0.007}, 400)
     run(chooser, {FIRST: 0.005, SECOND: 0.007}, 70)
     assert chooser.favourite == FIRST
-    # Its window keeps the runs that won and those since: of the slow spell's 16, at most the
+    # Its window keeps the runs that won and those since: of the slow spell's runs, at most the
     # two that the winning median of 5 outvoted.
     assert chooser.runs[FIRST].count(0.010) <= OTHER_WINDOW // 2
     assert len(chooser.runs[FIRST]) == WINDOW
