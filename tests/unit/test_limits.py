@@ -120,13 +120,20 @@ class App:
 class Conn:
     """One connection: the protocol over a fake transport, with its app, clock and tasks."""
 
-    def __init__(self, limits: EdgeLimits = LIMITS, transport: FakeTransport | None = None) -> None:
+    def __init__(
+        self,
+        limits: EdgeLimits = LIMITS,
+        transport: FakeTransport | None = None,
+        *,
+        gate: Callable[[Any], Any] | None = None,
+        state: ServerState | None = None,  # another connection's: the same server
+    ) -> None:
         self.app = App()
         self.clock = FakeClock(asyncio.get_running_loop())
         self.transport = transport or FakeTransport()
-        self.state = ServerState()
+        self.state = state or ServerState()
         config = uvicorn.Config(self.app, log_config=None, lifespan="off")
-        self.protocol = protocol_with(limits)(
+        self.protocol = protocol_with(limits, gate)(
             config=config,
             server_state=self.state,
             app_state={},
@@ -322,6 +329,33 @@ async def test_request_cut_off_by_shutdown_gets_503_with_retry_after() -> None:
     [(status, headers, body)] = conn.answers()
     assert (status, headers["retry-after"], headers["connection"]) == (503, "1", "close")
     assert "shutting down" in body["error"]
+
+
+async def test_the_gate_is_asked_only_while_another_request_is_in_progress() -> None:
+    asked: list[str] = []
+
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def gate(scope: Any) -> Any:
+        asked.append(scope["path"])
+        return refuse
+
+    first = Conn(gate=gate)
+    first.send(head("/alone", body_bytes=0))
+    await first.settle()
+    first.send(head("/hang", body_bytes=0))  # the first request has ended: still none in progress
+    await first.settle()
+    assert asked == [] and [a[0] for a in first.answers()] == [200]
+    second = Conn(gate=gate, state=first.state)  # another connection to the same server
+    second.send(head("/busy", body_bytes=0))
+    await second.settle()
+    assert asked == ["/busy"] and [a[0] for a in second.answers()] == [503]
+    for task in first.state.tasks:
+        task.cancel()
+    await asyncio.gather(*first.state.tasks, return_exceptions=True)
 
 
 async def test_a_head_over_the_limit_waits_for_an_earlier_answer() -> None:
