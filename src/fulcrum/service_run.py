@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from fulcrum.cache.llm import plan_generation as plan_generation_of
 from fulcrum.cache.metrics import CacheCollector
 from fulcrum.cache.registry import CacheRegistry
 from fulcrum.cache.tiered import CachedResult, CacheRequest, CacheStatus
-from fulcrum.context import DEFAULT_TENANT, RequestContext, with_parameter
+from fulcrum.context import DEFAULT_TENANT, RequestContext, internal_context, with_parameter
 from fulcrum.embeddings import embedding_spec
 from fulcrum.errors import InvalidInput
 from fulcrum.protocol import validate_inputs
@@ -162,7 +161,7 @@ class ServiceEmbedder:
         self.model = model
 
     async def __call__(self, texts: list[str]) -> Array:
-        ctx = RequestContext(request_id=uuid.uuid4().hex, tenant=DEFAULT_TENANT, api=CACHE_API)
+        ctx = internal_context(CACHE_API)
         embeddings = await self._embed(ctx, self.model, texts)
         matrix = np.asarray(embeddings.matrix, dtype=np.float32)
         norms = np.linalg.norm(matrix, axis=1, keepdims=True)
