@@ -5,8 +5,9 @@ unloaded version's series go with it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -30,6 +31,29 @@ class GaugeSource(Protocol):
 
     @property
     def num_admitted(self) -> int: ...
+
+    def policy_gauges(self) -> PolicyGauges | None:
+        """The adaptive policy's state (None: another policy, whose gauges read 0)."""
+
+
+class PolicyGauges(NamedTuple):
+    """The adaptive batch policy's state on its gauges: the fit t(b) = a + c*b, the batch
+    limit, and the last batch's predicted and observed run time."""
+
+    fixed_s: float
+    row_s: float
+    batch_limit: int
+    predicted_s: float
+    observed_s: float
+
+
+def _policy_value(sources: weakref.WeakSet[GaugeSource], field: int) -> float:
+    """One field of the first watched source's adaptive policy state, else 0."""
+    for source in sources:
+        gauges = source.policy_gauges()
+        if gauges is not None:
+            return float(gauges[field])
+    return 0.0
 
 
 class _Series:
@@ -75,7 +99,8 @@ class ServerMetrics:
         self.retry_compute_s = Counter(
             "fulcrum_isolation_compute_seconds",
             "Model time spent on those extra dispatches.", labels, registry=r)  # fmt: skip
-        # The adaptive policy's state (zero under Triton's static policy).
+        # The adaptive policy's state (zero under Triton's static policy), read when `/metrics`
+        # is, not set after every batch (5 gauge writes on each lone request's path).
         self.policy_fixed_s = Gauge("fulcrum_batch_model_fixed_seconds",
                                     "Fitted fixed cost a of a batch: t(b) = a + c*b.",
                                     labels, registry=r, multiprocess_mode="max")  # fmt: skip
@@ -104,6 +129,9 @@ class ServerMetrics:
             "(a client retrying 503s at once).", registry=r)  # fmt: skip
         self._series: dict[tuple[str, str, str], _Series] = {}
         self.lifecycle = LifecycleMetrics(r)
+        # In PolicyGauges' field order.
+        self._policy_families = (self.policy_fixed_s, self.policy_row_s, self.batch_limit,
+                                 self.predicted_batch_s, self.observed_batch_s)  # fmt: skip
 
     def for_model(self, model: str, version: int, variant: str = "default") -> ModelMetrics:
         """A lease on one version's series (label children bound once, so the hot path does no
@@ -119,6 +147,8 @@ class ServerMetrics:
             sources = series.sources  # the callbacks close over the weak set, not a servable
             self.queue_depth.labels(*key).set_function(lambda: sum(s.queue_depth for s in sources))
             self.in_flight.labels(*key).set_function(lambda: sum(s.num_admitted for s in sources))
+            for field, family in enumerate(self._policy_families):
+                family.labels(*key).set_function(functools.partial(_policy_value, sources, field))
         series.num_leases += 1
         return ModelMetrics(self, key, series)
 
@@ -201,15 +231,11 @@ class ModelMetrics:
         self.outcomes = {o: server.requests.labels(*key, o) for o in OUTCOMES}
         self.retried_dispatches = server.retried_dispatches.labels(*key)
         self.retry_compute_s = server.retry_compute_s.labels(*key)
-        self.policy_fixed_s = server.policy_fixed_s.labels(*key)
-        self.policy_row_s = server.policy_row_s.labels(*key)
-        self.batch_limit = server.batch_limit.labels(*key)
-        self.predicted_batch_s = server.predicted_batch_s.labels(*key)
-        self.observed_batch_s = server.observed_batch_s.labels(*key)
         self.shed = {reason: server.shed.labels(*key, reason) for reason in SHED_REASONS}
 
     def watch(self, source: GaugeSource) -> None:
-        """Report `source`'s queue depth and admitted requests on the gauges (held weakly)."""
+        """Report `source`'s queue depth, admitted requests and policy state on the gauges
+        (held weakly)."""
         self._series.sources.add(source)
         self._watched.append(weakref.ref(source))
 

@@ -11,7 +11,7 @@ from fulcrum.batcher import BatchRecord, DynamicBatcher, InferResult
 from fulcrum.config import ModelConfig
 from fulcrum.errors import FulcrumError, QueueFull, Shed, Unavailable
 from fulcrum.instances import InstancePool
-from fulcrum.metrics import ModelMetrics, outcome_of
+from fulcrum.metrics import ModelMetrics, PolicyGauges, outcome_of
 from fulcrum.policy_adaptive import AdaptivePolicy
 from fulcrum.stats import ModelStats
 from fulcrum.thread_priority import call_lowered
@@ -168,16 +168,14 @@ class BatchServable:
         if record.num_retried_dispatches:
             self.metrics.retried_dispatches.inc(record.num_retried_dispatches)
             self.metrics.retry_compute_s.inc(record.retry_compute_s)
-        if self._adaptive is not None:  # the policy has already observed this batch
-            self._show_policy(self._adaptive)
 
-    def _show_policy(self, policy: AdaptivePolicy) -> None:
-        m = self.metrics
-        m.policy_fixed_s.set(policy.model.a_s)
-        m.policy_row_s.set(policy.model.c_s)
-        m.batch_limit.set(policy.batch_limit)
-        m.predicted_batch_s.set(policy.last_predicted_s)
-        m.observed_batch_s.set(policy.last_observed_s)
+    def policy_gauges(self) -> PolicyGauges | None:
+        """The adaptive policy's state for its gauges, read when `/metrics` is."""
+        policy = self._adaptive
+        if policy is None:
+            return None
+        return PolicyGauges(policy.model.a_s, policy.model.c_s, policy.batch_limit,
+                            policy.last_predicted_s, policy.last_observed_s)  # fmt: skip
 
     async def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, finish queued and in-flight ones, then release the instances."""

@@ -8,15 +8,21 @@ import weakref
 
 from prometheus_client import generate_latest
 
-from fulcrum.metrics import OUTCOMES, ServerMetrics, outcome_of
+from fulcrum.metrics import OUTCOMES, PolicyGauges, ServerMetrics, outcome_of
 
 
 class FakeSource:
     """A loaded version as the gauges see it."""
 
-    def __init__(self, queue_depth: int = 0, num_admitted: int = 0) -> None:
+    def __init__(
+        self, queue_depth: int = 0, num_admitted: int = 0, policy: PolicyGauges | None = None
+    ) -> None:
         self.queue_depth = queue_depth
         self.num_admitted = num_admitted
+        self.policy = policy
+
+    def policy_gauges(self) -> PolicyGauges | None:
+        return self.policy
 
 
 def gauge(metrics: ServerMetrics, name: str, version: str = "1") -> float | None:
@@ -96,6 +102,24 @@ def test_gauges_do_not_keep_their_source_alive() -> None:
     assert ref() is None
     assert gauge(metrics, "fulcrum_queue_depth") == 0.0
     lease.release()
+
+
+def test_policy_gauges_read_the_adaptive_policy_when_scraped() -> None:
+    metrics = ServerMetrics()
+    lease = metrics.for_model("m", 1)
+    static = FakeSource()
+    lease.watch(static)
+    names = ("fulcrum_batch_model_fixed_seconds", "fulcrum_batch_model_row_seconds",
+             "fulcrum_batch_limit", "fulcrum_batch_predicted_seconds",
+             "fulcrum_batch_observed_seconds")  # fmt: skip
+    assert [gauge(metrics, name) for name in names] == [0.0] * 5  # Triton's rules: no state
+    adaptive = FakeSource(policy=PolicyGauges(0.002, 0.0005, 16, 0.004, 0.005))
+    lease.watch(adaptive)
+    assert [gauge(metrics, name) for name in names] == [0.002, 0.0005, 16.0, 0.004, 0.005]
+    adaptive.policy = adaptive.policy._replace(batch_limit=32)  # no write: read when scraped
+    assert gauge(metrics, "fulcrum_batch_limit") == 32.0
+    lease.release()
+    assert [gauge(metrics, name) for name in names] == [None] * 5
 
 
 def test_outcome_of_maps_error_classes() -> None:
