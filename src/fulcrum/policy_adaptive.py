@@ -59,6 +59,9 @@ CAUTION_DOWN = CAUTION_UP * LATE_TARGET / (1.0 - LATE_TARGET)  # per answer on t
 AGE_WEIGHT = 0.02
 
 
+NOTHING_TO_DO = Plan()  # wait for the next arrival
+
+
 class AdaptivePolicy:
     """EDF batching under a latency SLO, fitted online; `plan` runs once per batch, not per item."""
 
@@ -104,12 +107,14 @@ class AdaptivePolicy:
         queue.slo_s = self.slo_s - self.overhead.reserve_s
         if self._last_start_s is None:
             self._last_start_s = now
+        if not rejected and not len(queue):  # nothing to shed or run: twice per lone request
+            self._note_idle(now)
+            return NOTHING_TO_DO
         shed = self._shed_hopeless(queue, now, probe=self._starved(now))
         retry_after_s = self.drain_s(queue.num_rows, now) if shed else 0.0
         head = next(queue.live(), None)
         if head is None:
-            if not self._busy_until and self._idle_since_s is None:
-                self._idle_since_s = now
+            self._note_idle(now)
             return Plan(reject=rejected, shed=shed, retry_after_s=retry_after_s)
         self._end_idle(now)
         # The largest batch that still finishes by the head's deadline, within the budget.
@@ -265,6 +270,10 @@ class AdaptivePolicy:
             self._idle_since_s = None
             halvings = (now - idle_since_s) / (MARGIN_IDLE_HALF_LIFE_SLOS * self.slo_s)
             self.arrival_margin = 1.0 + (self.arrival_margin - 1.0) * 0.5 ** max(0.0, halvings)
+
+    def _note_idle(self, now: float) -> None:
+        if not self._busy_until and self._idle_since_s is None:
+            self._idle_since_s = now  # nothing queued or running from now on
 
     def _starved(self, now: float) -> bool:
         # Only a batch that runs can correct a fit that is too pessimistic (a slow warm-up, a

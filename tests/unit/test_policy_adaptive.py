@@ -13,7 +13,7 @@ from fulcrum.batcher import BatchRecord
 from fulcrum.config import DynamicBatching, ModelConfig, QueuePolicy, load_model_config, validate
 from fulcrum.errors import ConfigError, QueueFull
 from fulcrum.pending import Pending, PendingQueue
-from fulcrum.policy import TritonPolicy, make_policy
+from fulcrum.policy import Plan, TritonPolicy, make_policy
 from fulcrum.policy_adaptive import AdaptivePolicy
 from fulcrum.repository import apply_override
 
@@ -185,6 +185,17 @@ def test_hopeless_request_is_shed_at_once_with_the_predicted_drain_as_retry_afte
     # The drain of the 40 still queued at the time: a batch of 32, then one of 8.
     assert plan.retry_after_s == pytest.approx(linear(32) + linear(8), rel=1e-3)
     assert policy.num_shed == 1
+
+
+def test_the_last_queued_request_timing_out_is_rejected_and_an_empty_queue_plans_nothing() -> None:
+    config = make_config()
+    queue, policy = PendingQueue(config), AdaptivePolicy(config)
+    warm(policy)
+    assert policy.plan(queue, 0.0) == Plan()  # nothing queued: wait
+    late = Pending(1, "k", 0.0)
+    queue.admit(late, priority=None, timeout_s=0.010)
+    plan = policy.plan(queue, 0.020)  # its queue timeout passed: the queue is empty after it
+    assert plan.reject == (late,) and not plan.run and len(queue) == 0
 
 
 def test_a_fit_too_pessimistic_to_run_anything_is_corrected_by_probe_batches() -> None:
