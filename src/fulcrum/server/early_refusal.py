@@ -3,7 +3,8 @@
 Under overload most requests are refused, and each refusal taken down the full path (Starlette's
 stack, the body read and decoded, the service, the batcher) costs the event loop a few hundred
 microseconds that the model's own work and the health probes then lack. The connection asks this
-gate when a request head is complete; when the model's queue would refuse even a one-row request
+gate when a request head is complete and another request is in progress (`server.limits`: on an
+idle server nothing could be refused); when the model's queue would refuse even a one-row request
 (`Service.early_refusal`), the 503 with its Retry-After goes out at once, without the app.
 """
 
