@@ -6,7 +6,8 @@ fast path: several observations in a row far off the prediction mean the machine
 (another tenant, thermal throttling, a swapped GPU), so the fit is rescaled to them at once
 instead of being dragged there over dozens of batches. `error` is a high quantile of how much
 slower than the fit batches run (the noise of a shared machine), for plans that must hold at the
-P99, not on average. Pure arithmetic, O(1) per batch (a sort of 256 ratios every 16 batches).
+P99, not on average. Pure arithmetic, O(1) per batch over the size classes seen so far (and a
+sort of 256 ratios every 16 batches).
 
 The sums are kept per size class (powers of two), and a class's evidence is forgotten only down
 to one batch's worth while other sizes run: a burst of 13-16-row batches alone cannot place the
@@ -113,7 +114,6 @@ class LatencyModel:
         predicted = self.predict(num_rows)
         if not self.trusted:
             self._add(num_rows, seconds)
-            self._solve()
             return
         if probe and seconds * SHIFT_RATIO <= predicted:
             # A probe far faster than the fit is a speed change on its own: each probe costs
@@ -131,7 +131,6 @@ class LatencyModel:
             # (a refusal could never correct it; an admission runs and is measured again);
             # only a slow outlier is clipped, as one would be at a familiar size.
             self._add(num_rows, min(seconds, predicted * CLIP))
-            self._solve()
             return
         run_before = self._run
         if self._shifted(seconds / predicted):
@@ -143,7 +142,6 @@ class LatencyModel:
             self._rescale(seconds / predicted)
             return
         self._add(num_rows, min(max(seconds, predicted / CLIP), predicted * CLIP))
-        self._solve()
         self._note_error(seconds / self.predict(num_rows), run_before)
 
     def _note_error(self, ratio: float, run_before: int) -> None:
@@ -198,21 +196,31 @@ class LatencyModel:
         self.c_s *= ratio
 
     def _add(self, x: int, y: float) -> None:
-        total = 0.0
-        for sums in self._sums:
-            # Measured evidence is forgotten down to the floor only (the last lone rows stay in
-            # the fit through a burst); below it (what a speed change rescaled) as usual.
-            keep = max(FORGET, FLOOR_WEIGHT / sums[0]) if sums[0] >= FLOOR_WEIGHT else FORGET
-            for i in range(6):
-                sums[i] *= keep
-            total += sums[0]
-        sums = self._sums[_size_class(x)]
-        for i, value in enumerate((1.0, x, y, x * x, x * y, y * y)):
-            sums[i] += value
-        self._sw = total + 1.0
+        """Forget, add one observation, refit. One pass over the size classes seen so far (the
+        rest hold no weight), summing the columns for the fit as it goes: on every batch, in
+        the gap between a lone row's run and its answer."""
+        target = _size_class(x)
+        forgotten = tw = tx = ty = txx = txy = tyy = 0.0
+        for index, sums in enumerate(self._sums):
+            weight = sums[0]
+            if weight:
+                # Measured evidence is forgotten down to the floor only (the last lone rows stay
+                # in the fit through a burst); below it (what a speed change rescaled) as usual.
+                keep = max(FORGET, FLOOR_WEIGHT / weight) if weight >= FLOOR_WEIGHT else FORGET
+                if keep != 1.0:
+                    sums[:] = [value * keep for value in sums]
+            elif index != target:
+                continue
+            forgotten += sums[0]
+            if index == target:
+                for i, value in enumerate((1.0, x, y, x * x, x * y, y * y)):
+                    sums[i] += value
+            w, sx, sy, sxx, sxy, syy = sums
+            tw, tx, ty, txx, txy, tyy = tw + w, tx + sx, ty + sy, txx + sxx, txy + sxy, tyy + syy
+        self._sw = forgotten + 1.0  # the evidence the fit stands on (`trusted`, `_rescale`)
+        self._solve(tw, tx, ty, txx, txy, tyy)
 
-    def _solve(self) -> None:
-        sw, sx, sy, sxx, sxy, syy = (sum(column) for column in zip(*self._sums, strict=True))
+    def _solve(self, sw: float, sx: float, sy: float, sxx: float, sxy: float, syy: float) -> None:
         mean_x, mean_y = sx / sw, sy / sw
         var_x = sxx / sw - mean_x * mean_x
         cov = sxy / sw - mean_x * mean_y
