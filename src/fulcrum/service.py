@@ -272,7 +272,9 @@ class Service(GenerativeFacade):
         """The context with the request's variant and lane parameters and its timeout."""
         ctx = with_lane(with_variant(ctx, request.parameters.get("variant")),
                         request.parameters.get("lane"))  # fmt: skip
-        ctx = dataclasses.replace(ctx, num_rows=num_rows(request.inputs))  # the lane estimate's
+        rows = num_rows(request.inputs)  # the lane estimate's
+        if rows != ctx.num_rows:  # not a new context for the common one row
+            ctx = dataclasses.replace(ctx, num_rows=rows)
         return with_timeout(ctx, request.timeout_s, time.monotonic())
 
     async def infer_stream(
