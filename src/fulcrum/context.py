@@ -145,6 +145,12 @@ def internal_context(api: str = "internal") -> RequestContext:
     return RequestContext(request_id=new_request_id(), tenant=DEFAULT_TENANT, api=api)
 
 
+def with_rows(ctx: RequestContext, num_rows: int) -> RequestContext:
+    """The context carrying the request's row count (the lane estimate's); the same context
+    when the count is already its own (one row, the common case: no copy on the hot path)."""
+    return ctx if num_rows == ctx.num_rows else dataclasses.replace(ctx, num_rows=num_rows)
+
+
 def with_parameter(
     ctx: RequestContext, name: Literal["variant", "lane"], value: object
 ) -> RequestContext:

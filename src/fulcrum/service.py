@@ -18,7 +18,7 @@ from fulcrum import __version__
 from fulcrum.batcher import InferResult
 from fulcrum.cache import ResultCache
 from fulcrum.config import ModelConfig
-from fulcrum.context import RequestContext
+from fulcrum.context import RequestContext, with_rows
 from fulcrum.embeddings import TokenCounter, embedding_spec, text_tensor, vectors
 from fulcrum.errors import FulcrumError, InvalidInput, NotFound, Unavailable
 from fulcrum.lanes.group import lanes_over, load_lane_group
@@ -272,9 +272,7 @@ class Service(GenerativeFacade):
         """The context with the request's variant and lane parameters and its timeout."""
         ctx = with_lane(with_variant(ctx, request.parameters.get("variant")),
                         request.parameters.get("lane"))  # fmt: skip
-        rows = num_rows(request.inputs)  # the lane estimate's
-        if rows != ctx.num_rows:  # not a new context for the common one row
-            ctx = dataclasses.replace(ctx, num_rows=rows)
+        ctx = with_rows(ctx, num_rows(request.inputs))
         return with_timeout(ctx, request.timeout_s, time.monotonic())
 
     async def infer_stream(
@@ -314,7 +312,7 @@ class Service(GenerativeFacade):
         through the model's batcher like any v2 request; usage counts the model's tokens."""
         self._check_open()
         ctx = await self._lifecycle.ensure_loaded(ctx, name)
-        ctx = dataclasses.replace(ctx, num_rows=max(1, len(texts)))  # the lane estimate's
+        ctx = with_rows(ctx, max(1, len(texts)))
         route = self.router.route(ctx, name, None)
         servable = self._batch_model(route)
         spec = embedding_spec(servable.config)

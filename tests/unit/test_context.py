@@ -8,7 +8,7 @@ import re
 import pytest
 from starlette.datastructures import Headers
 
-from fulcrum.context import DEFAULT_TENANT, context_from_headers, new_request_id
+from fulcrum.context import DEFAULT_TENANT, context_from_headers, new_request_id, with_rows
 from fulcrum.errors import InvalidInput
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -64,3 +64,11 @@ def test_a_forked_process_numbers_its_requests_under_its_own_prefix() -> None:
     os.close(read_end)
     os.waitpid(pid, 0)
     assert HEX32.fullmatch(child) and child[:16] != parent[:16]
+
+
+def test_with_rows_keeps_the_context_for_its_own_count_and_copies_for_another() -> None:
+    ctx = context_from_headers({}, api="v2", now_s=0.0)
+    assert with_rows(ctx, 1) is ctx  # one row, the default: no copy
+    many = with_rows(ctx, 64)
+    assert (many.num_rows, ctx.num_rows, many.request_id) == (64, 1, ctx.request_id)
+    assert with_rows(many, 64) is many
