@@ -2,15 +2,17 @@
 
     .venv/bin/python benchmarks/light_path.py --repository /tmp/bench_models [--rounds 3]
         [--requests 70] [--gap-s 0.15] [--kinds fulcrum,bare,fulcrum_spin]
-        [--texts {fixed,corpus}] [--arrivals {uniform,poisson}] [--client {http.client,asyncio}]
+        [--texts {fixed,corpus}] [--arrivals {uniform,poisson,open}]
+        [--client {http.client,asyncio}]
 
 Light load on this VM means one request at a time after an idle gap. For each kind, a server
 runs in a child process (this script with --serve) with timestamps patched in along the path:
 ASGI entry, Service.infer, DynamicBatcher.submit, the batch's launch, InstancePool.run, the
 backend's execute on the instance thread, the ORT run, the result back on the loop, the
 response's first and last send; a client process sends one JSON request at a time after a
-random 0.5-1.5x --gap-s pause (`--arrivals poisson`: at Poisson arrival times, as the load
-generator's open loop; `--texts corpus`: `--ends`' 256 sentences in turn; keep-alive;
+random 0.5-1.5x --gap-s pause (`--arrivals poisson`: at Poisson arrival times, one at a time;
+`--arrivals open`: at Poisson times beside any still in flight, as the load generator's open
+loop, for the `*_serve` kinds; `--texts corpus`: `--ends`' 256 sentences in turn; keep-alive;
 `--client asyncio`: the load generator's own client, fulcrum.client on uvloop, instead of
 http.client). Stamps are `time.perf_counter()`
 (CLOCK_MONOTONIC on Linux), so the client's and the server's compare. Per kind: the median
@@ -62,7 +64,9 @@ TEXT = "The quick brown fox jumps over the lazy dog near the quiet river bank to
 
 # Both clients read the request bodies (a JSON list) on stdin and send them in turn; the gaps:
 # uniform in 0.5-1.5x gap after each answer, or Poisson arrivals (each send at its scheduled
-# time, or at once when the answer before came later), as the load generator's open loop.
+# time, or at once when the answer before came later: one request at a time, never two). The
+# asyncio client's `open` arrivals are the load generator's open loop: each request at its
+# Poisson time on a free connection, beside any still in flight (~7% of them at 10/s).
 CLIENT = r"""
 import http.client, json, random, sys, time
 port, path, n, gap = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
@@ -96,18 +100,28 @@ async def main():
     endpoint = Endpoint.from_url(f"http://127.0.0.1:{port}")
     headers = {"Content-Type": "application/json"}
     raws = [build_request(endpoint, "POST", path, headers=headers, body=b) for b in bodies]
-    conn, rnd, out, due = Connection(endpoint), random.Random(1), [], time.perf_counter()
+    free, rnd, out, due = [Connection(endpoint)], random.Random(1), [None] * n, time.perf_counter()
+    async def one(i):
+        conn = free.pop() if free else Connection(endpoint)  # a request in flight keeps its own
+        t0 = time.perf_counter()
+        response = await conn.request(raws[i % len(raws)], timeout_s=10.0)
+        assert response.status == 200, response.status
+        out[i] = (t0, time.perf_counter())
+        free.append(conn)
+    sent = []
     for i in range(n):
-        if arrivals == "poisson":
+        if arrivals in ("poisson", "open"):
             due += rnd.expovariate(1 / gap)
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
         else:
             await asyncio.sleep(rnd.uniform(0.5 * gap, 1.5 * gap))  # the idle gap is the workload
-        t0 = time.perf_counter()
-        response = await conn.request(raws[i % len(raws)], timeout_s=10.0)
-        assert response.status == 200, response.status
-        out.append((t0, time.perf_counter()))
-    conn.close()
+        if arrivals == "open":  # sent at its time, beside any request still in flight
+            sent.append(asyncio.create_task(one(i)))
+        else:
+            await one(i)
+    await asyncio.gather(*sent)
+    for conn in free:
+        conn.close()
     print(json.dumps(out))
 uvloop.run(main())
 """
@@ -359,13 +373,19 @@ def main() -> int:
                         help="the client: http.client, or the load generator's")  # fmt: skip
     parser.add_argument("--texts", choices=["fixed", "corpus"], default="fixed",
                         help="one 16-word text, or --ends' 256 sentences in turn")  # fmt: skip
-    parser.add_argument("--arrivals", choices=["uniform", "poisson"], default="uniform",
-                        help="uniform gaps after answers, or Poisson arrival times")  # fmt: skip
+    parser.add_argument("--arrivals", choices=["uniform", "poisson", "open"], default="uniform",
+                        help="uniform gaps after answers, Poisson arrival times one at a "
+                             "time, or open: Poisson and overlapping")  # fmt: skip
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args)
         return 0
+    if args.arrivals == "open" and (
+        args.client != "asyncio" or not all(k.endswith("_serve") for k in args.kinds.split(","))
+    ):
+        # Overlapping requests would interleave the in-process kinds' stamps.
+        parser.error("--arrivals open needs --client asyncio and *_serve kinds only")
     found: dict[str, list[dict[str, float]]] = {}
     kinds = args.kinds.split(",")
     for round_index in range(args.rounds):
