@@ -61,6 +61,7 @@ class Tally:
     retry_compute_s: float = 0.0
     retried_batches: list[tuple[int, float]] = field(default_factory=list)
     holds_slot: bool = True
+    recorded: bool = False  # its record is out to the policy and the statistics (or on its way)
 
     def record(self) -> BatchRecord:
         return BatchRecord(

@@ -266,6 +266,11 @@ class DynamicBatcher:
                     await asyncio.sleep(0)
                     await asyncio.sleep(0)
                 self._resolve(requests, ran)
+                # The batch's accounting runs after its callers' wake-ups and before the loop
+                # plans again: off a lone request's path to its answer, and still learnt from
+                # before the next batch is planned.
+                asyncio.get_running_loop().call_soon(self._record, tally)
+                tally.recorded = True
                 self._free_slot(tally)  # if not freed above
         except asyncio.CancelledError:
             _fail(requests, Unavailable(f"model {self._config.name!r} stopped while running"))
@@ -277,7 +282,8 @@ class DynamicBatcher:
             self._free_slot(tally)
             self._num_in_flight -= len(requests)
             self._check_drained()
-            self._record(tally.record())
+            if not tally.recorded:
+                self._record(tally)
 
     async def _execute(self, group: list[QueuedRequest], tally: Tally, *, retry: bool) -> Ran:
         """Stack `group` into one batch and dispatch it; account for the time it took."""
@@ -362,8 +368,9 @@ class DynamicBatcher:
         if self._stopping and not self._queue and not self._num_in_flight:
             self._drained.set()
 
-    def _record(self, record: BatchRecord) -> None:
+    def _record(self, tally: Tally) -> None:
         try:
+            record = tally.record()
             self._policy.observe(record)
             if self._on_batch is not None:
                 self._on_batch(record)

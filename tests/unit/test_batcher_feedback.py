@@ -8,7 +8,8 @@ import pytest
 from fulcrum.batcher import BatchRecord, DynamicBatcher
 from fulcrum.config import DynamicBatching, ModelConfig, TensorSpec
 from fulcrum.errors import ModelError, Shed
-from fulcrum.policy import TritonPolicy
+from fulcrum.pending import PendingQueue
+from fulcrum.policy import Plan, TritonPolicy
 from fulcrum.policy_adaptive import AdaptivePolicy
 from fulcrum.types import FakeClock, TensorMap
 
@@ -93,3 +94,33 @@ async def test_a_request_that_cannot_meet_its_deadline_is_shed_with_503_and_retr
 def test_retry_after_rounds_up_to_whole_seconds() -> None:
     assert Shed("x", retry_after_s=1.2).headers() == {"Retry-After": "2"}
     assert Shed("x", retry_after_s=0.004).headers() == {"Retry-After": "1"}
+
+
+class Ordering(Observing):
+    """Observing, and the order of plans (of a queue that holds something) and observations."""
+
+    def __init__(self, config: ModelConfig, log: list[str]) -> None:
+        super().__init__(config)
+        self.log = log
+
+    def plan(self, queue: PendingQueue, now: float) -> Plan:
+        if len(queue):
+            self.log.append("plan")
+        return super().plan(queue, now)
+
+    def observe(self, record: BatchRecord) -> None:
+        self.log.append("observe")
+        super().observe(record)
+
+
+async def test_a_caller_is_answered_before_its_batch_is_accounted_and_planned_after() -> None:
+    # The accounting (fit, statistics) is off a lone request's path to its answer, and the
+    # policy still learns from a batch before it plans the next one.
+    log: list[str] = []
+    config = make_config(8)
+    batcher = await started(config, Doubler(), policy=Ordering(config, log))
+    for value in (1.0, 2.0):
+        await batcher.submit({"x": rows(value)})
+        log.append("answered")
+    await batcher.stop()
+    assert log == ["plan", "answered", "observe"] * 2
