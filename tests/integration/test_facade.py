@@ -437,4 +437,8 @@ async def test_the_statistics_say_which_session_lone_requests_take(
     assert state["sparse"] is True and state["mean_idle_gap_ms"] >= 50
     measured = [v for v in state["ms_per_row"].values() if v is not None]
     assert measured and all(v > 0 for v in measured)
+    means = state["mean_ms_per_row"]
+    assert means.keys() == state["ms_per_row"].keys()
+    assert [v is None for v in means.values()] == [v is None for v in state["ms_per_row"].values()]
+    assert all(v > 0 for v in means.values() if v is not None)
     assert state["explore_every"] >= 8

@@ -463,6 +463,7 @@ def test_lone_state_reports_the_choice_between_the_sessions(version_dir: Path) -
     assert state == {
         "favourite": "spinning",
         "ms_per_row": {"spinning": None, "instance": None},
+        "mean_ms_per_row": {"spinning": None, "instance": None},
         "runs": {"spinning": 0, "instance": 0},
         "explore_every": 8,
         "mean_idle_gap_ms": None,
@@ -476,5 +477,9 @@ def test_lone_state_reports_the_choice_between_the_sessions(version_dir: Path) -
     assert state is not None
     assert state["runs"] == {"spinning": 5, "instance": 2}  # 2 measured each, then 3 favoured
     assert state["favourite"] == "spinning" and state["sparse"] is True
+    # Each session's mean over its measured runs (not just the favourite's last few)
+    means = state["mean_ms_per_row"]
+    assert isinstance(means, dict) and means["instance"] == pytest.approx(6.0)
+    assert means["spinning"] is not None and means["spinning"] > 0
     # The first run's idle counts as 5 gaps of 50 ms (250 ms), then two of 200 ms at 10%.
     assert state["mean_idle_gap_ms"] == pytest.approx(240.5)

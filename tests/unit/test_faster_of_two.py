@@ -3,6 +3,8 @@ often while the other keeps losing clearly; estimates are medians of recent runs
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from fulcrum.backends.faster_of_two import FIRST, OTHER_WINDOW, SECOND, WINDOW, FasterOfTwo
@@ -142,6 +144,22 @@ def test_time_is_compared_per_row() -> None:
     chooser.observe(FIRST, 0.020, 4)
     chooser.observe(SECOND, 0.006, 1)
     assert chooser.favourite == FIRST
+
+
+def test_the_mean_per_row_counts_every_measured_run_and_not_the_first() -> None:
+    """The medians are a snapshot of the last few runs; the mean covers a whole measurement."""
+    chooser = FasterOfTwo()
+    assert all(math.isnan(v) for v in chooser.mean_per_row_s)
+    chooser.observe(FIRST, 0.100, 1)  # the first run is not measured
+    for _ in range(WINDOW):
+        chooser.observe(FIRST, 0.004, 1)
+    chooser.observe(FIRST, 0.024, 4)  # 6 ms a row
+    chooser.observe(SECOND, 0.050, 1)
+    chooser.observe(SECOND, 0.007, 1)
+    first, second = chooser.mean_per_row_s
+    assert first == pytest.approx((WINDOW * 0.004 + 0.024) / (WINDOW + 4))
+    assert second == pytest.approx(0.007)
+    assert chooser.per_row_s[FIRST] == pytest.approx(0.004)  # the median of the last WINDOW
 
 
 @pytest.mark.parametrize(("explore_every", "max_explore_every"), [(1, 64), (8, 4)])

@@ -65,6 +65,10 @@ class FasterOfTwo:
         self.runs: tuple[deque[float], deque[float]] = (deque(maxlen=WINDOW), deque(maxlen=WINDOW))
         self.per_row_s = [math.nan, math.nan]  # the medians
         self.num_runs = [0, 0]  # observed, per choice
+        # Every measured run's seconds and rows, per choice: the mean per row over a whole
+        # measurement, where the medians above are a snapshot of the last few runs.
+        self.total_s = [0.0, 0.0]
+        self.total_rows = [0, 0]
         self.num_picks = 0
         self._since_explore = 0
 
@@ -79,6 +83,14 @@ class FasterOfTwo:
         """Picks from one exploring pick to the next: `interval`, never below `explore_every`
         (which a caller may raise at any time)."""
         return max(self.interval, self.explore_every)
+
+    @property
+    def mean_per_row_s(self) -> list[float]:
+        """Each choice's mean seconds per row over all its measured runs (NaN before one)."""
+        return [
+            total / rows if rows else math.nan
+            for total, rows in zip(self.total_s, self.total_rows, strict=True)
+        ]
 
     def pick(self) -> int:
         """FIRST or SECOND: the favourite, or the other one every `explore_interval`-th pick."""
@@ -111,6 +123,8 @@ class FasterOfTwo:
         if self.num_runs[choice] <= UNMEASURED_RUNS:
             return
         self.runs[choice].append(per_row_s)
+        self.total_s[choice] += run_s
+        self.total_rows[choice] += max(1, num_rows)
         self._estimate()
         if self.favourite != favourite and not math.isnan(best_s):
             # The other took over on its latest runs: its older ones, spread over many

@@ -222,10 +222,8 @@ class OnnxBackend:
             mean_gap_s, sparse = self.gaps.mean_gap_s, self.gaps.sparse
         return {
             "favourite": names[choice.favourite],
-            "ms_per_row": {
-                name: None if math.isnan(value) else round(value * 1e3, 3)
-                for name, value in zip(names, choice.per_row_s, strict=True)
-            },
+            "ms_per_row": _ms_by_name(names, choice.per_row_s),
+            "mean_ms_per_row": _ms_by_name(names, choice.mean_per_row_s),
             "runs": dict(zip(names, choice.num_runs, strict=True)),
             "explore_every": choice.explore_interval,
             "mean_idle_gap_ms": None if math.isinf(mean_gap_s) else round(mean_gap_s * 1e3, 3),
@@ -327,6 +325,13 @@ def _ort_values(path: Path) -> dict[str, ort.OrtValue]:
 
 def _num_rows(feeds: TensorMap) -> int:
     return len(next(iter(feeds.values()))) if feeds else 0
+
+
+def _ms_by_name(names: tuple[str, str], seconds: list[float]) -> dict[str, float | None]:
+    return {
+        name: None if math.isnan(value) else round(value * 1e3, 3)
+        for name, value in zip(names, seconds, strict=True)
+    }
 
 
 def _has_dynamic_output(config: ModelConfig) -> bool:
