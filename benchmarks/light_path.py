@@ -240,7 +240,7 @@ def fulcrum_app(repo: Path, kind: str) -> tuple[Asgi, Any]:
     for cls, name, before, after in [
         (Service, "infer", "service_in", "service_out"),
         (batcher.DynamicBatcher, "submit", "submit_in", "submit_out"),
-        (batcher.DynamicBatcher, "_launch", "launch", None),
+        (batcher.DynamicBatcher, "_start", "launch", None),  # a batch task made
         (batcher.DynamicBatcher, "_resolve", "resolve", None),
         (instances.InstancePool, "run", "pool_in", "pool_out"),
         (onnx.OnnxBackend, "execute", "exec_in", "exec_out"),

@@ -1,13 +1,16 @@
 """What the batcher passes around: a queued request (the policy's view plus its payload and
-future), one batch's running account, one dispatch's outputs, and the result a caller gets."""
+future), one batch's running account, one dispatch's outputs, the result a caller gets, and
+the errors a request ends with."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
+from fulcrum.errors import DeadlineExceeded, FulcrumError, ModelError, Shed
 from fulcrum.pending import Pending
 from fulcrum.policy import BatchRecord
 from fulcrum.types import TensorMap
@@ -78,3 +81,36 @@ class Ran:
     outputs: TensorMap
     start_s: float
     compute_s: float
+
+
+def shed_error(drain_s: float) -> Shed:
+    """The 503 for a request that cannot finish within its deadline."""
+    why = f"it cannot finish within its deadline (queue drains in {drain_s:.3f} s)"
+    return Shed(why, retry_after_s=drain_s)
+
+
+def fail(requests: Sequence[QueuedRequest], error: FulcrumError) -> None:
+    """End every request not ended yet with `error`."""
+    for request in requests:
+        if not request.future.done():
+            request.future.set_exception(error)
+
+
+def model_error(exc: Exception) -> FulcrumError:
+    """A backend's exception as the error its callers get (a ModelError unless it is ours)."""
+    if isinstance(exc, FulcrumError):
+        return exc
+    error = ModelError(f"model failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def time_out(items: Sequence[Pending], now: float) -> None:
+    """End each queued request not ended yet with a 504: it waited past its queue timeout."""
+    for item in items:
+        request = cast(QueuedRequest, item)
+        if not request.future.done():
+            waited_s = now - request.enqueue_s
+            request.future.set_exception(
+                DeadlineExceeded(f"request timed out after {waited_s:.3f} s in the queue")
+            )

@@ -10,13 +10,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import cast
 
-from fulcrum.batch_request import InferResult, QueuedRequest, Ran, Tally
+from fulcrum.batch_request import (
+    InferResult,
+    QueuedRequest,
+    Ran,
+    Tally,
+    fail,
+    model_error,
+    shed_error,
+    time_out,
+)
 from fulcrum.collate import Collator
 from fulcrum.config import ModelConfig
-from fulcrum.errors import DeadlineExceeded, FulcrumError, ModelError, Shed, Unavailable
+from fulcrum.errors import FulcrumError, Unavailable
 from fulcrum.isolation import isolate, may_rerun, shared_error
 from fulcrum.policy import (
     BatchPolicy,
@@ -104,7 +113,7 @@ class DynamicBatcher:
         if full is not None:
             return full
         retry_after_s = self._policy.on_arrival(self._queue, probe, now)
-        return None if retry_after_s is None else _shed_error(retry_after_s)
+        return None if retry_after_s is None else shed_error(retry_after_s)
 
     @property
     def num_in_flight(self) -> int:
@@ -152,8 +161,10 @@ class DynamicBatcher:
         retry_after_s = self._policy.on_arrival(self._queue, request, now)
         if retry_after_s is not None:
             self._queue.take((request,))
-            raise _shed_error(retry_after_s)
-        if self._listening or request.deadline_s is not None:
+            raise shed_error(retry_after_s)
+        if not self._num_batches and len(self._queue) == 1:
+            self._start(self._run_planned())  # nothing runs or waits: a loop hop sooner
+        elif self._listening or request.deadline_s is not None:
             self._wakeup.set()
         try:
             return await future
@@ -205,19 +216,25 @@ class DynamicBatcher:
             self._wakeup.clear()
             now = self._clock.now()
             if self._num_batches < self._max_batches:
-                plan = self._policy.plan(queue, now)
-                self._reject(plan.reject, now)
-                self._shed(plan)
+                plan = self._step(now)
                 if plan.run:
                     self._launch(cast("Sequence[QueuedRequest]", plan.run))
                     continue
                 wake_at_s, self._listening = plan.wake_at_s, True
             else:
-                self._reject(queue.expire(now), now)
+                time_out(queue.expire(now), now)
                 wake_at_s, self._listening = queue.next_deadline_s, False
             self._check_drained()
             await self._wait(wake_at_s)
             self._listening = False
+
+    def _step(self, now: float) -> Plan:
+        """Plan once: fail what the plan rejects (504) or sheds (503)."""
+        plan = self._policy.plan(self._queue, now)
+        time_out(plan.reject, now)
+        if plan.shed:
+            fail(cast("list[QueuedRequest]", plan.shed), shed_error(plan.retry_after_s))
+        return plan
 
     async def _wait(self, wake_at_s: float | None) -> None:
         if wake_at_s is None:
@@ -238,11 +255,29 @@ class DynamicBatcher:
         live = [r for r in requests if not r.future.done()]
         if not live:
             return
-        self._num_batches += 1
         self._num_in_flight += len(live)
-        task = asyncio.get_running_loop().create_task(self._run_batch(live))
+        self._start(self._run_batch(live))
+
+    def _start(self, batch: Coroutine[None, None, None]) -> None:
+        self._num_batches += 1  # the task holds a slot from now
+        task = asyncio.get_running_loop().create_task(batch)
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
+
+    async def _run_planned(self) -> None:
+        """Started by a request into an idle batcher: plan in the loop turn the loop would (so
+        requests that came in beside it join) and run the plan's batch, one task hop sooner."""
+        try:
+            plan = self._step(self._clock.now())
+        except Exception:
+            plan = Plan()  # the loop plans again and fails as its own plan does
+        live = [r for r in cast("Sequence[QueuedRequest]", plan.run) if not r.future.done()]
+        if not live:
+            self._num_batches -= 1
+            self._wakeup.set()
+            return
+        self._num_in_flight += len(live)
+        await self._run_batch(live)
 
     async def _run_batch(self, requests: list[QueuedRequest]) -> None:
         now_s = time.perf_counter()
@@ -273,11 +308,11 @@ class DynamicBatcher:
                 tally.recorded = True
                 self._free_slot(tally)  # if not freed above
         except asyncio.CancelledError:
-            _fail(requests, Unavailable(f"model {self._config.name!r} stopped while running"))
+            fail(requests, Unavailable(f"model {self._config.name!r} stopped while running"))
             raise
         except Exception as exc:  # outputs that do not split by rows: the batch's, not a row's
             tally.failed = True
-            _fail(requests, _model_error(exc))
+            fail(requests, model_error(exc))
         finally:
             self._free_slot(tally)
             self._num_in_flight -= len(requests)
@@ -305,9 +340,8 @@ class DynamicBatcher:
         return Ran(outputs, start_s, compute_s)
 
     def _runs_alone(self, group: list[QueuedRequest]) -> bool:
-        # One request, nothing queued, no other batch: light load. A batch of several requests
-        # means they queued, i.e. load. Read when the batch task starts, after the loop planned
-        # again: a request that came in since the launch is queued by now.
+        # One request, nothing queued, no other batch: light load (several requests in a batch
+        # queued: load). Read as the batch task starts: one that came in since is queued by now.
         return len(group) == 1 and not self._queue and self._num_batches == 1
 
     async def _recover(self, requests: list[QueuedRequest], error: Exception, tally: Tally) -> None:
@@ -320,9 +354,9 @@ class DynamicBatcher:
                 is_live=lambda request: not request.future.done(),
             )
         elif len(requests) > 1 and may_rerun(error):
-            _fail(requests, shared_error(self._config.name, error, len(requests)))
+            fail(requests, shared_error(self._config.name, error, len(requests)))
         else:
-            _fail(requests, _model_error(error))
+            fail(requests, model_error(error))
 
     async def _rerun(self, group: list[QueuedRequest], tally: Tally) -> None:
         ran = await self._execute(group, tally, retry=True)
@@ -331,13 +365,14 @@ class DynamicBatcher:
 
     def _fail_isolated(self, group: list[QueuedRequest], error: Exception, tally: Tally) -> None:
         tally.num_isolated_failures += len(group)
-        _fail(group, _model_error(error))
+        fail(group, model_error(error))
 
     def _free_slot(self, tally: Tally) -> None:
         if tally.holds_slot:
             tally.holds_slot = False
             self._num_batches -= 1
-            self._wakeup.set()
+            if self._queue or not self._listening:  # else nothing to plan till a request
+                self._wakeup.set()
 
     def _resolve(self, requests: list[QueuedRequest], ran: Ran) -> None:
         row_counts = [r.num_rows for r in requests]
@@ -348,21 +383,8 @@ class DynamicBatcher:
                 waited_s = ran.start_s - request.submit_perf_s
                 request.future.set_result(InferResult(own, waited_s, ran.compute_s, num_rows))
 
-    def _reject(self, items: Sequence[Pending], now: float) -> None:
-        for item in items:
-            request = cast(QueuedRequest, item)
-            if not request.future.done():
-                waited_s = now - request.enqueue_s
-                request.future.set_exception(
-                    DeadlineExceeded(f"request timed out after {waited_s:.3f} s in the queue")
-                )
-
-    def _shed(self, plan: Plan) -> None:
-        if plan.shed:
-            _fail(cast("list[QueuedRequest]", plan.shed), _shed_error(plan.retry_after_s))
-
     def _fail_queued(self, error: FulcrumError) -> None:
-        _fail(cast("list[QueuedRequest]", self._queue.drain()), error)
+        fail(cast("list[QueuedRequest]", self._queue.drain()), error)
 
     def _check_drained(self) -> None:
         if self._stopping and not self._queue and not self._num_in_flight:
@@ -376,22 +398,3 @@ class DynamicBatcher:
                 self._on_batch(record)
         except Exception:
             _logger.exception("batcher %s: observe or on_batch failed", self._config.name)
-
-
-def _shed_error(drain_s: float) -> Shed:
-    why = f"it cannot finish within its deadline (queue drains in {drain_s:.3f} s)"
-    return Shed(why, retry_after_s=drain_s)
-
-
-def _fail(requests: Sequence[QueuedRequest], error: FulcrumError) -> None:
-    for request in requests:
-        if not request.future.done():
-            request.future.set_exception(error)
-
-
-def _model_error(exc: Exception) -> FulcrumError:
-    if isinstance(exc, FulcrumError):
-        return exc
-    error = ModelError(f"model failed: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error

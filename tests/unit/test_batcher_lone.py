@@ -10,6 +10,8 @@ import numpy as np
 
 from fulcrum.batcher import DynamicBatcher
 from fulcrum.config import DynamicBatching, ModelConfig, TensorSpec
+from fulcrum.pending import PendingQueue
+from fulcrum.policy import Plan, TritonPolicy
 from fulcrum.types import TensorMap
 
 
@@ -112,4 +114,46 @@ async def test_without_a_lone_path_every_batch_takes_dispatch() -> None:
     result = await batcher.submit({"x": np.ones((1, 2), np.float32)})
     assert float(result.outputs["y"][0, 0]) == 2.0
     assert model.paths == [("shared", 1)]
+    await batcher.stop()
+
+
+class CountingPlans(TritonPolicy):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.num_plans = 0
+
+    def plan(self, queue: PendingQueue, now: float) -> Plan:
+        self.num_plans += 1
+        return super().plan(queue, now)
+
+
+async def test_a_lone_request_into_an_idle_batcher_reaches_its_model_without_the_loop() -> None:
+    # Planned by a batch task of its own, in the loop turn the loop would plan in: the model is
+    # reached one task hop sooner, and the freed slot does not wake the loop over an empty queue.
+    model, config = TwoPathModel(), make_config()
+    policy = CountingPlans(config)
+    batcher = DynamicBatcher(config, model.shared, dispatch_lone=model.lone, policy=policy)
+    batcher.start()
+    await until(lambda: policy.num_plans == 1)  # the loop's first plan: an empty queue
+    for i, value in enumerate((1.0, 2.0)):
+        submitted = asyncio.create_task(batcher.submit({"x": rows(value)}))
+        turns = 0
+        while len(model.paths) == i and turns < 10:
+            await asyncio.sleep(0)
+            turns += 1
+        assert turns == 2  # the submit's turn, then its batch task's (through the loop: 3)
+        assert float((await submitted).outputs["y"][0, 0]) == 2 * value
+        for _ in range(5):
+            await asyncio.sleep(0)
+    assert policy.num_plans == 3  # the loop's first, then each request's own: nothing more
+    assert model.paths == [("lone", 1)] * 2
+    await batcher.stop()
+
+
+async def test_requests_submitted_in_one_turn_into_an_idle_batcher_form_one_batch() -> None:
+    model = TwoPathModel()
+    batcher = started(model)
+    results = await asyncio.gather(*(batcher.submit({"x": rows(v)}) for v in (1.0, 2.0, 3.0)))
+    assert [float(r.outputs["y"][0, 0]) for r in results] == [2.0, 4.0, 6.0]
+    assert model.paths == [("shared", 3)]
     await batcher.stop()
