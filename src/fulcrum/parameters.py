@@ -37,6 +37,7 @@ class OnnxParameters(_Params, frozen=True):
     # without spinning at all, so None (unset) keeps ORT's default. Moot without spinning.
     spin_between_runs: bool | None = None
     spin_when_idle: bool = False  # True: a second, spinning session runs lone batches when sparse
+    # (CPU only: on CUDA the setting is ignored)
     # ... while the instance idles at least this long between runs (smoothed; end to start)
     spin_idle_gap_ms: NonNegFloat = 50.0
     # > 0: ORT's parallel-for splits work into shrinking blocks handed out as threads come free

@@ -11,10 +11,11 @@ import pytest
 
 from fulcrum.backends import create_backend
 from fulcrum.backends.onnx import OnnxBackend
-from fulcrum.config import TensorSpec, load_model_config
+from fulcrum.config import ModelConfig, TensorSpec, load_model_config
 from fulcrum.errors import ConfigError, InvalidInput
 from fulcrum.examples import build_examples, minilm_source_dir
 
+CPU_ONLY = {"execution_providers": ["CPUExecutionProvider"]}
 SENTENCES = [
     "Hi",
     "The cat sat on the mat.",
@@ -32,11 +33,16 @@ def texts(rows: list[str], *, column: bool = True) -> np.ndarray:
     return array.reshape(-1, 1) if column else array
 
 
+def on_cpu(example_repo: Path, **parameters: object) -> ModelConfig:
+    """minilm's shipped config on the CPU, whatever the machine (tests/gpu checks CUDA's)."""
+    config = load_model_config(example_repo / "minilm" / "config.toml", dir_name="minilm")
+    params = {**config.parameters, **CPU_ONLY, **parameters}
+    return msgspec.structs.replace(config, parameters=params)
+
+
 @pytest.fixture(scope="module")
 def backend(example_repo: Path) -> OnnxBackend:
-    folder = example_repo / "minilm"
-    config = load_model_config(folder / "config.toml", dir_name="minilm")
-    loaded = create_backend(config, folder / "1")
+    loaded = create_backend(on_cpu(example_repo), example_repo / "minilm" / "1")
     assert isinstance(loaded, OnnxBackend)
     return loaded
 
@@ -93,10 +99,8 @@ def test_a_batch_equals_single_requests_despite_padding(backend: OnnxBackend) ->
 def test_length_buckets_keep_row_order_and_values(
     example_repo: Path, backend: OnnxBackend, bucket_rows: int
 ) -> None:
-    folder = example_repo / "minilm"
-    config = load_model_config(folder / "config.toml", dir_name="minilm")
-    params = {**config.parameters, "length_bucket_rows": bucket_rows}
-    bucketed = OnnxBackend(msgspec.structs.replace(config, parameters=params), folder / "1")
+    config = on_cpu(example_repo, length_bucket_rows=bucket_rows)
+    bucketed = OnnxBackend(config, example_repo / "minilm" / "1")
     rows = SENTENCES * 2
     expected = backend.execute({"text": texts(rows)})["embedding"]
     got = bucketed.execute({"text": texts(rows)})["embedding"]
@@ -124,7 +128,7 @@ def test_token_ids_sent_directly_are_cast_from_int32(
     example_repo: Path, backend: OnnxBackend
 ) -> None:
     # The same graph without the text front end: clients send int32 token tensors themselves.
-    config = load_model_config(example_repo / "minilm" / "config.toml", dir_name="minilm")
+    config = on_cpu(example_repo)
     names = ("input_ids", "attention_mask", "token_type_ids")
     config = msgspec.structs.replace(
         config,

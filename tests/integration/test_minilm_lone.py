@@ -17,7 +17,9 @@ def test_the_spinning_session_shares_the_embedding_table_and_answers_bitwise_ali
 ) -> None:
     folder = example_repo / "minilm"
     config = load_model_config(folder / "config.toml", dir_name="minilm")
-    params = {**config.parameters, "spin_when_idle": True}
+    # A CPU matter: a model on CUDA builds no spinning session.
+    cpu = ["CPUExecutionProvider"]
+    params = {**config.parameters, "spin_when_idle": True, "execution_providers": cpu}
     backend = create_backend(msgspec.structs.replace(config, parameters=params), folder / "1")
     assert isinstance(backend, OnnxBackend) and backend.lone_session is not None
     # all-MiniLM-L6-v2's vocabulary x hidden size, in float32: the one table only Gather reads.

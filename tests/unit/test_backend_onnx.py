@@ -49,6 +49,8 @@ def make_config(
     **parameters: ParamValue,
 ) -> ModelConfig:
     dtypes = {"x": "INT64", "y": "FP32"}
+    # Fulcrum's own logic, pinned to the CPU: a GPU machine's default is CUDA (tests/gpu).
+    parameters.setdefault("execution_providers", ["CPUExecutionProvider"])
     return ModelConfig(
         name="add",
         platform="onnx",
@@ -419,7 +421,7 @@ def embedding_config(**parameters: ParamValue) -> ModelConfig:
             TensorSpec(name="out", datatype="FP32", shape=(-1, 64)),
             TensorSpec(name="emb", datatype="FP32", shape=(-1, 64)),
         ),
-        parameters=dict(parameters),
+        parameters={"execution_providers": ["CPUExecutionProvider"], **parameters},
     )
 
 

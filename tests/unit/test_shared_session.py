@@ -14,8 +14,6 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-import onnx
-import onnx.helper as oh
 import pytest
 
 from fulcrum import examples
@@ -28,6 +26,7 @@ from fulcrum.metrics import ServerMetrics
 from fulcrum.parameters import OnnxParameters, decode_parameters
 from fulcrum.servable import BatchServable
 from fulcrum.types import TensorMap
+from onnx_graphs import write_matmul_graph
 
 WAIT_S = 10.0  # a hang guard for thread hand-offs, never a speed assertion
 LIMIT_S = 0.2  # the execution limit of the hung-instance test; a normal call never nears it
@@ -38,22 +37,13 @@ WEIGHTS = np.arange(WIDTH * WIDTH, dtype=np.float32).reshape(WIDTH, WIDTH) / 100
 @pytest.fixture
 def version_dir(tmp_path: Path) -> Path:
     """y = x @ WEIGHTS, x and y float [B, 16]: each row's answer is its own."""
-    graph = oh.make_graph(
-        [oh.make_node("MatMul", ["x", "w"], ["y"])],
-        "matmul",
-        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", WIDTH])],
-        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", WIDTH])],
-        [onnx.numpy_helper.from_array(WEIGHTS, "w")],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    model.ir_version = 8
     folder = tmp_path / "1"
     folder.mkdir()
-    onnx.save(model, str(folder / "model.onnx"))
+    write_matmul_graph(folder / "model.onnx", WEIGHTS)
     return folder
 
 
-def matmul_config(count: int, **parameters: bool | int) -> ModelConfig:
+def matmul_config(count: int, **parameters: bool | int | list[str]) -> ModelConfig:
     return ModelConfig(
         name="mm",
         platform="onnx",
@@ -61,7 +51,8 @@ def matmul_config(count: int, **parameters: bool | int) -> ModelConfig:
         inputs=(TensorSpec(name="x", datatype="FP32", shape=(WIDTH,)),),
         outputs=(TensorSpec(name="y", datatype="FP32", shape=(WIDTH,)),),
         instances=Instances(count=count),
-        parameters=dict(parameters),
+        # Pinned to the CPU (a GPU machine's default is CUDA: tests/gpu/test_onnx_cuda.py).
+        parameters={"execution_providers": ["CPUExecutionProvider"], **parameters},
     )
 
 

@@ -21,6 +21,7 @@ import onnxruntime as ort
 from fulcrum.backends.casting import cast_to
 from fulcrum.backends.faster_of_two import FIRST, FasterOfTwo
 from fulcrum.backends.idle_gaps import IdleGaps
+from fulcrum.backends.onnx_providers import CPU, execution_providers, open_session
 from fulcrum.backends.onnx_weights import shared_weights
 from fulcrum.backends.params import version_file
 from fulcrum.backends.text import TextFrontEnd
@@ -93,21 +94,6 @@ def session_options(
     return options
 
 
-def execution_providers(params: OnnxParameters) -> list[str]:
-    """The configured providers, or CUDA (when this onnxruntime has it) then CPU."""
-    available = ort.get_available_providers()
-    default = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-    chosen = params.execution_providers
-    providers = default if chosen is None else list(chosen)
-    missing = [p for p in providers if p not in available]
-    if missing or not providers:
-        raise ConfigError(
-            f"parameter 'execution_providers' = {providers!r}: not available here "
-            f"(available: {available})"
-        )
-    return providers
-
-
 class OnnxBackend:
     """Runs an ONNX graph with ONNX Runtime; parameters are validated at load."""
 
@@ -117,6 +103,8 @@ class OnnxBackend:
         if not path.is_file():
             raise ConfigError(f"model {config.name!r}: no model file {path}")
         providers = execution_providers(params)
+        required = params.execution_providers is not None  # named, so CUDA must start
+        on_cpu = providers == [CPU]
         self.name = config.name
         # One backend for all instances: each instance thread calls `execute` on the same
         # sessions, ORT's Run being thread-safe (read by `fulcrum.servable` at load).
@@ -125,10 +113,10 @@ class OnnxBackend:
         # handed to both (`add_initializer`: ORT uses the caller's buffer, no copy); kept alive
         # as long as the sessions by this attribute. On a GPU each session copies them anyway.
         self.shared_weights: dict[str, ort.OrtValue] = {}
-        if params.spin_when_idle and providers == ["CPUExecutionProvider"]:
+        if params.spin_when_idle and on_cpu:
             self.shared_weights = _ort_values(path)
         options = self._sharing(session_options(params))
-        self.session = _load(config.name, path, options, providers)
+        self.session = open_session(config.name, path, options, providers, required=required)
         # Spinning pool threads answer an isolated call sooner (no sleeping worker to wake) and
         # cost the cores anything else needs, the event loop included, for a while after each
         # run. ORT has no per-run switch (a pool keeps what it was built with), hence a second
@@ -139,11 +127,11 @@ class OnnxBackend:
         self.gaps = IdleGaps(params.spin_idle_gap_ms / 1000)
         self._gaps_lock = threading.Lock()  # instance threads sharing this backend
         self.clock = time.perf_counter
-        if params.spin_when_idle:
+        if params.spin_when_idle and on_cpu:  # a GPU's runs wait on no sleeping pool thread
             # A lone batch runs while every other instance idles: it may use all their threads.
             threads = params.intra_op_threads * config.instances.count  # 0 stays ORT's default
             lone = self._sharing(session_options(params, lone=True, threads=threads))
-            self.lone_session = _load(config.name, path, lone, providers)
+            self.lone_session = open_session(config.name, path, lone, providers, required=required)
         self.front = TextFrontEnd(config.tokenizer, version_dir) if config.tokenizer else None
         self.graph_types = {i.name: _ort_dtype(i.type, i.name) for i in self.session.get_inputs()}
         self._check_inputs(config)
@@ -301,15 +289,6 @@ class OnnxBackend:
         self.__dict__.pop("session", None)
         self.lone_session = None
         self.shared_weights = {}
-
-
-def _load(
-    name: str, path: Path, options: ort.SessionOptions, providers: list[str]
-) -> ort.InferenceSession:
-    try:
-        return ort.InferenceSession(str(path), options, providers=providers)
-    except Exception as exc:  # ORT raises its own untyped errors for a bad graph
-        raise ModelError(f"model {name!r}: cannot load {path}: {exc}") from exc
 
 
 def _ort_values(path: Path) -> dict[str, ort.OrtValue]:
