@@ -59,6 +59,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        if isinstance(model, torch.nn.Module):
+            # The engine's device decides, also for a model loaded elsewhere (`load_checkpoint`
+            # loads onto the CPU unless told): it moves once, here, not a tensor per step.
+            model.to(device=device)
         self.model = model
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks

@@ -39,7 +39,7 @@ def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor | int) -> torch.Tensor:
     """logits (..., V) with everything below each row's k-th largest set to -inf; top_k per row
     (a tensor of logits.shape[:-1]) or one int for all, 0 or >= V: that row unchanged."""
     vocab = logits.shape[-1]
-    k = torch.as_tensor(top_k).expand(logits.shape[:-1])
+    k = torch.as_tensor(top_k, device=logits.device).expand(logits.shape[:-1])
     off = (k <= 0) | (k >= vocab)
     if bool(off.all()):
         return logits
@@ -52,7 +52,7 @@ def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor | int) -> torch.Tensor:
 def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
     """logits (..., V) keeping, per row, the smallest set of tokens whose probability reaches
     top_p (a tensor of logits.shape[:-1], or one float for all; 1: that row unchanged)."""
-    p = torch.as_tensor(top_p, dtype=logits.dtype).expand(logits.shape[:-1])
+    p = torch.as_tensor(top_p, dtype=logits.dtype, device=logits.device).expand(logits.shape[:-1])
     off = p >= 1.0
     if bool(off.all()):
         return logits
