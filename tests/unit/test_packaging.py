@@ -14,7 +14,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from onnx_graphs import write_add_graph
 from packaging.requirements import Requirement
 
 from fulcrum.errors import ConfigError
@@ -26,6 +25,7 @@ from fulcrum.extras import (
     require,
     require_extra,
 )
+from onnx_graphs import write_add_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx_graphs import write_add_graph
 
 from fulcrum.cli import build_parser
 from fulcrum.config import ModelConfig, TensorSpec
@@ -32,6 +31,7 @@ from fulcrum.thread_priority import (
     thread_nice,
 )
 from fulcrum.types import TensorMap
+from onnx_graphs import write_add_graph
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice")
 WAIT_S = 10.0  # a hang guard for thread hand-offs, never a speed assertion
