@@ -149,8 +149,12 @@ def reference(
     directory = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(directory)  # safetensors
     write_tokenizer(directory, bos="<s>", eos="</s>")
-    # The reference reads the same config.json the engine does.
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    # The reference reads the same config.json the engine does, through eager attention: a
+    # transformers whose default for Gemma 2 is SDPA skips its attention soft-capping (the
+    # H200's image parted from our engine on its CPU and its GPU alike; stop 40).
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager"
+    ).eval()
     return Reference(directory, model, NUM_NEW_TOKENS)
 
 
