@@ -13,6 +13,14 @@ point: P50 / P99 of the answers, the share of requests late or refused (a 503 co
 in the max-rate search), mean batch, refusals by reason and the batch policy's state from the
 statistics API. Paired rows are the comparison: at one rate two 15 s runs of the same server
 differ by several points on a shared 2-core machine.
+
+`--bare` adds adaptive_ends' bare app (FastAPI + ONNX Runtime per request, ORT's defaults) at
+its own `--bare-rates`, its k-th rate in the same step as the others' k-th. The report pools
+each server's rounds per rate: the share late or refused over all of them is the pooled P99's
+side of the SLO, and a server's pooled max rate is the highest rate at which it, and every lower
+rate it ran, stayed within 1% (the highest rate held, lower ones or not, is printed too). That
+answers "the highest Poisson rate that keeps P99 <= the SLO" without a bisection, whose outcome
+one unlucky point decides; the ratios to the bare app's are printed.
 """
 
 from __future__ import annotations
@@ -24,12 +32,16 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-from adaptive_ends import Server, copy_with, point
+from adaptive_ends import Server, bare_app, bare_requests, copy_with, point
 from adaptive_vs_static import v2_requests
+from corpus import sentences
 from health_under_flood import serving
+from memory_at_rest import server as bare_server
 
+from fulcrum.demo import free_port
 from fulcrum.loadgen.stats import Slo
 
+BARE = "bare app"
 STATE_KEYS = ("batch_limit", "queue_bound", "batch_error", "caution", "late_answers",
               "arrival_margin", "shed_late", "shed_head")  # fmt: skip
 
@@ -49,6 +61,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--slo-ms", type=float, default=100.0)
+    parser.add_argument("--bare", action="store_true", help="also the bare app, at --bare-rates")
+    parser.add_argument("--bare-rates", default="150,165,180,195")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     slo = Slo(bound_ms=args.slo_ms, percentile=99.0)
@@ -63,19 +77,63 @@ def main() -> int:
             log = args.out / f"{name}.log"
             url, _ = stack.enter_context(serving(repo, Path(src).resolve(), log))
             servers.append(Server(name, url, v2_requests(url, 256, 12)))
+        rates = {s.name: [float(r) for r in args.rates.split(",")] for s in servers}
+        if args.bare:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            command = [sys.executable, "-c", bare_app(), str(args.repository / "minilm" / "1"),
+                       str(port)]  # fmt: skip
+            stack.enter_context(bare_server(command, f"{url}/health", args.out / "bare.log"))
+            servers.append(Server(BARE, url, bare_requests(url, sentences(256, 12, seed=1))))
+            rates[BARE] = [float(r) for r in args.bare_rates.split(",")]
         for round_ in range(args.rounds):
-            for rate in (float(r) for r in args.rates.split(",")):
+            # Step k runs each server's k-th rate: the bare app's ramp interleaves with the others.
+            for k in range(max(len(r) for r in rates.values())):
                 for server in servers if round_ % 2 == 0 else servers[::-1]:
-                    rows.append(measure(server, rate, args.seconds, slo, round_))
-                    print(json.dumps(rows[-1]), flush=True)
+                    if k < len(rates[server.name]):
+                        rate = rates[server.name][k]
+                        rows.append(measure(server, rate, args.seconds, slo, round_))
+                        print(json.dumps(rows[-1]), flush=True)
     (args.out / "near_capacity.json").write_text(json.dumps(rows, indent=1))
+    pooled_report(rows)
     return 0
 
 
+def pooled_report(rows: list[dict]) -> None:
+    """Per server and rate, the share late or refused over all rounds; the pooled max rate."""
+    pooled: dict[str, dict[float, list[float]]] = {}
+    for row in rows:
+        late = row["late_or_refused_pct"] * row["requests"] / 100
+        totals = pooled.setdefault(row["server"], {}).setdefault(row["rate"], [0.0, 0.0])
+        totals[0] += late
+        totals[1] += row["requests"]
+    best: dict[str, float] = {}  # the highest rate held, every lower one held too
+    top: dict[str, float] = {}  # the highest rate held
+    print("\n| server | rate (req/s): % late or refused, pooled over rounds | pooled max rate "
+          "| highest rate held |\n|---|---|---:|---:|")  # fmt: skip
+    for name, by_rate in pooled.items():
+        cells, holding = [], True
+        for rate in sorted(by_rate):
+            late, total = by_rate[rate]
+            pct = 100 * late / max(1.0, total)
+            holding = holding and pct <= 1.0
+            if holding:
+                best[name] = rate
+            if pct <= 1.0:
+                top[name] = rate
+            cells.append(f"{rate:g}: {pct:.2f}%")
+        print(f"| {name} | {', '.join(cells)} | {best.get(name, 0):g} | {top.get(name, 0):g} |")
+    for name in best.keys() - {BARE}:
+        if best.get(BARE) and top.get(BARE):
+            print(f"{name}: {best[name] / best[BARE]:.2f}x the bare app's pooled max rate, "
+                  f"{top[name] / top[BARE]:.2f}x its highest rate held")  # fmt: skip
+
+
 def measure(server: Server, rate: float, seconds: float, slo: Slo, round_: int) -> dict:
-    before = policy_state(server.url).get("shed", {})
+    fulcrum = server.name != BARE
+    before = policy_state(server.url).get("shed", {}) if fulcrum else {}
     result = point(server, rate, seconds, slo, seed=round_ + 1)
-    state = policy_state(server.url)
+    state = policy_state(server.url) if fulcrum else {}
     after = state.get("shed", {})
     assert isinstance(before, dict) and isinstance(after, dict)
     answered_late = sum(1 for ms in result.cdf_ms if ms > slo.bound_ms)
