@@ -138,6 +138,7 @@ def test_without_a_tpot_slo_the_budget_stays_at_its_maximum() -> None:
         num_queued_tokens=100_000,
         intercept_s=budget.model.intercept_s,
         per_token_s=budget.model.per_token_s,
+        num_running=32,
     )
 
 
@@ -165,6 +166,51 @@ def test_a_request_that_fits_is_admitted_and_pending_prompts_count() -> None:
     budget.check_admission(100)  # about two steps ahead: well within a second
     with pytest.raises(Shed):  # prompts admitted since the last step queue ahead too
         budget.check_admission(100, num_pending_tokens=50_000)
+
+
+def _full_running_set(budget: TokenBudget, finish_steps: tuple[int, ...], num_waiting: int) -> None:
+    """Every running slot taken, 50 prompt tokens queued and `num_waiting` in line for a slot."""
+    running = budget.state.max_running
+    assert len(finish_steps) == running
+    budget.observe_queue(
+        StepRecord(0, 0, 0.0, running, running, 50, num_waiting, tuple(sorted(finish_steps)))
+    )
+
+
+def test_a_request_that_must_wait_for_a_running_slot_counts_that_wait() -> None:
+    """Under overload the running set is full: a short prompt still waits for a running
+    sequence to end, which the queued prompt tokens alone do not show."""
+    budget = _budget(slo_ttft_ms=100.0, max_num_seqs=4)
+    _run(budget, FakeMachine(), 40, num_queued_tokens=50)
+    step_s = budget.state.step_s(4 + 50)  # the four decodes and the queued prompts
+    assert step_s is not None
+    first, second, rest = int(0.05 / step_s), int(0.15 / step_s), int(0.3 / step_s)
+    _full_running_set(budget, (first, second, rest, rest), num_waiting=0)
+    # First in line: the shortest running sequence ends within the SLO.
+    predicted_s = budget.predicted_ttft_s(10)
+    assert predicted_s is not None and first * step_s <= predicted_s < 0.1
+    budget.check_admission(10)
+    # Second in line (one admitted since the last step): waits for the second to end.
+    predicted_s = budget.predicted_ttft_s(10, num_pending_tokens=10, num_pending=1)
+    assert predicted_s is not None and predicted_s >= second * step_s > 0.1
+    with pytest.raises(Shed, match="slo_ttft_ms") as shed:
+        budget.check_admission(10, num_pending_tokens=10, num_pending=1)
+    assert shed.value.retry_after_s == pytest.approx(first * step_s, rel=0.01)
+    # Behind five waiting ones: past one round of the running set.
+    _full_running_set(budget, (first, second, rest, rest), num_waiting=5)
+    predicted_s = budget.predicted_ttft_s(10)
+    assert predicted_s is not None and predicted_s >= (second + rest) * step_s
+
+
+def test_a_free_running_slot_means_no_wait() -> None:
+    budget = _budget(slo_ttft_ms=100.0, max_num_seqs=4)
+    _run(budget, FakeMachine(), 40, num_decoding=2, num_queued_tokens=50)
+    budget.observe_queue(StepRecord(0, 0, 0.0, 2, 2, 50, 0, (500, 500)))
+    predicted_s = budget.predicted_ttft_s(10)
+    assert predicted_s is not None and predicted_s < 0.05  # two slots free: no wait
+    budget.check_admission(10, num_pending_tokens=10, num_pending=1)
+    with pytest.raises(Shed):  # the third new request finds both free slots taken
+        budget.check_admission(10, num_pending_tokens=20, num_pending=2)
 
 
 def test_queue_action_admits_what_shed_would_refuse() -> None:

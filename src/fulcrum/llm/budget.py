@@ -20,8 +20,12 @@ cannot meet stops admissions rather than adding decodes.
 Admission. A new request's TTFT is predicted as the steps needed to prefill the prompt tokens
 ahead of it plus its own at the current budget (what the decodes leave), times the predicted step
 time; above slo_ttft_ms it is shed (errors.Shed, 503) with a Retry-After of the predicted time to
-drain the queue ahead, or admitted anyway under slo_ttft_action = "queue". Not modelled: a wait
-for a free running slot, and prefix-cache hits (so the prediction errs long, towards shedding).
+drain the queue ahead, or admitted anyway under slo_ttft_action = "queue". Under overload the
+running set is full and a prompt cannot start before a running sequence ends, so the prediction
+is at least that wait plus its own prefill: the k-th request in line for a slot waits for the k-th
+running sequence to end, each at its max_tokens at the latest (`finish_steps`). Not modelled:
+stops before max_tokens (EOS, stop strings) and prefix-cache hits (so the prediction errs long,
+towards shedding).
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ class StepRecord:
     num_running: int  # sequences running after the step
     num_decoding: int  # running sequences past their prefill: one token each per step
     num_queued_tokens: int  # prompt tokens not yet computed, waiting and running alike
+    num_waiting: int = 0  # sequences queued for a running slot
+    # Per running sequence, the steps until it ends at its max_tokens at the latest, ascending.
+    finish_steps: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +77,9 @@ class BudgetState:
     num_queued_tokens: int = 0
     intercept_s: float | None = None  # the step-time model; None until it has data
     per_token_s: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0  # sequences queued for a running slot
+    finish_steps: tuple[int, ...] = ()  # see StepRecord
 
     def step_s(self, num_tokens: int) -> float | None:
         """Predicted time of a step of num_tokens tokens; None before the model has data."""
@@ -123,37 +133,50 @@ class TokenBudget:
             num_queued_tokens=record.num_queued_tokens,
             intercept_s=self.model.intercept_s if self.model.is_ready else None,
             per_token_s=self.model.per_token_s,
+            num_running=record.num_running,
+            num_waiting=record.num_waiting,
+            finish_steps=record.finish_steps,
         )
         return self.state
 
-    def observe_queue(self, num_decoding: int, num_queued_tokens: int) -> None:
+    def observe_queue(self, record: StepRecord) -> None:
         """The queue changed between steps (a request added or aborted): publish it, so that
-        admission never judges by a queue that is gone (an idle engine runs no step to say so)."""
+        admission never judges by a queue that is gone (an idle engine runs no step to say so).
+        Only the record's queue fields are read."""
         self.state = dataclasses.replace(
-            self.state, num_decoding=num_decoding, num_queued_tokens=num_queued_tokens
+            self.state,
+            num_decoding=record.num_decoding,
+            num_queued_tokens=record.num_queued_tokens,
+            num_running=record.num_running,
+            num_waiting=record.num_waiting,
+            finish_steps=record.finish_steps,
         )
 
-    def predicted_ttft_s(self, num_prompt_tokens: int, num_pending_tokens: int = 0) -> float | None:
+    def predicted_ttft_s(
+        self, num_prompt_tokens: int, num_pending_tokens: int = 0, num_pending: int = 0
+    ) -> float | None:
         """Predicted TTFT of a new request; None before the model has data.
 
-        num_pending_tokens: prompt tokens admitted but not yet seen by the last step.
+        num_pending_tokens / num_pending: prompt tokens and requests admitted but not yet seen
+        by the last step.
         """
-        state = self.state
-        return _prefill_time_s(
-            state, state.num_queued_tokens + num_pending_tokens + num_prompt_tokens
-        )
+        return _ttft_s(self.state, num_prompt_tokens, num_pending_tokens, num_pending)
 
-    def check_admission(self, num_prompt_tokens: int, num_pending_tokens: int = 0) -> None:
+    def check_admission(
+        self, num_prompt_tokens: int, num_pending_tokens: int = 0, num_pending: int = 0
+    ) -> None:
         """Raise Shed (503, Retry-After: the queue's predicted drain) for a request that is
         predicted to miss slo_ttft_ms, unless slo_ttft_action is "queue"."""
         if self.slo_ttft_s is None or not self.shed:
             return
         state = self.state  # one snapshot: the engine thread may publish another meanwhile
-        num_ahead = state.num_queued_tokens + num_pending_tokens
-        predicted_s = _prefill_time_s(state, num_ahead + num_prompt_tokens)
+        predicted_s = _ttft_s(state, num_prompt_tokens, num_pending_tokens, num_pending)
         if predicted_s is None or predicted_s <= self.slo_ttft_s:
             return
-        drain_s = _prefill_time_s(state, num_ahead) or 0.0
+        num_ahead = state.num_queued_tokens + num_pending_tokens
+        drain_s = max(
+            _prefill_time_s(state, num_ahead) or 0.0, _slot_wait_s(state, num_pending) or 0.0
+        )
         raise Shed(
             f"predicted time to first token {predicted_s * 1000:.0f} ms exceeds "
             f"slo_ttft_ms ({self.slo_ttft_s * 1000:.0f} ms)",
@@ -194,6 +217,36 @@ class TokenBudget:
         # Each running sequence takes at least one token a step: more than the budget would
         # leave some with none.
         return max(1, min(self.max_num_seqs, budget))
+
+
+def _ttft_s(
+    state: BudgetState, num_prompt_tokens: int, num_pending_tokens: int, num_pending: int
+) -> float | None:
+    """The queued prompts' prefill and its own; or, when it must wait for a running slot, that
+    wait and its own prefill, if longer."""
+    queued_s = _prefill_time_s(
+        state, state.num_queued_tokens + num_pending_tokens + num_prompt_tokens
+    )
+    wait_s = _slot_wait_s(state, num_pending + 1)
+    if queued_s is None or not wait_s:
+        return queued_s
+    return max(queued_s, wait_s + (_prefill_time_s(state, num_prompt_tokens) or 0.0))
+
+
+def _slot_wait_s(state: BudgetState, num_new: int) -> float | None:
+    """Predicted time until the last of `num_new` new requests, behind the waiting ones, gets a
+    running slot: the k-th in line past the free slots waits for the k-th running sequence to
+    end (a sequence after each of them to end again, beyond one round)."""
+    if state.intercept_s is None:
+        return None
+    place = state.num_waiting + num_new - max(0, state.max_running - state.num_running)
+    finish = state.finish_steps
+    if place <= 0 or not finish:
+        return 0.0
+    rounds, index = divmod(place - 1, len(finish))
+    num_steps = finish[index] + rounds * finish[-1]
+    step_s = state.step_s(min(state.token_budget, state.num_running + state.num_queued_tokens))
+    return num_steps * (step_s or 0.0)
 
 
 def _prefill_time_s(state: BudgetState, num_tokens: int) -> float | None:

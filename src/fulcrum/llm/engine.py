@@ -243,7 +243,7 @@ class AsyncLLMEngine(AsyncTextFront):
                 self.engine.metrics.request_shed("queue_full")
             raise QueueFull(f"model {self.model_name!r}: {max_waiting} requests already waiting")
         # Shed here, at the call, from the state the engine last published.
-        self.engine.check_admission(len(token_ids), num_pending_tokens)
+        self.engine.check_admission(len(token_ids), num_pending_tokens, num_pending)
         queue = _OutputStream()
         self._streams[request_id] = queue
         self._idle.clear()

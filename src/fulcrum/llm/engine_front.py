@@ -65,13 +65,16 @@ class EngineFront(TextFrontEnd):
                 f"exceeds max_model_len ({self.max_model_len})"
             )
 
-    def check_admission(self, num_prompt_tokens: int, num_pending_tokens: int = 0) -> None:
-        """Shed (503) a request predicted to miss slo_ttft_ms; num_pending_tokens: prompt tokens
-        admitted since the last step. Reads only published state: any thread may call it."""
+    def check_admission(
+        self, num_prompt_tokens: int, num_pending_tokens: int = 0, num_pending: int = 0
+    ) -> None:
+        """Shed (503) a request predicted to miss slo_ttft_ms; num_pending_tokens / num_pending:
+        prompt tokens and requests admitted since the last step. Reads only published state:
+        any thread may call it."""
         if self.budget is None:
             return
         try:
-            self.budget.check_admission(num_prompt_tokens, num_pending_tokens)
+            self.budget.check_admission(num_prompt_tokens, num_pending_tokens, num_pending)
         except Shed:
             if self.metrics is not None:
                 self.metrics.request_shed("slo_ttft")

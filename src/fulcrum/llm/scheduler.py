@@ -109,6 +109,14 @@ class Scheduler:
         running = sum(n for n in num_left if n > 1)  # 1: a decode
         return running + sum(s.num_tokens - s.num_computed_tokens for s in self._waiting)
 
+    @property
+    def finish_steps(self) -> tuple[int, ...]:
+        """Per running sequence, the steps until it ends at its max_tokens at the latest,
+        ascending (for admission: when a running slot frees)."""
+        return tuple(
+            sorted(max(0, s.sampling.max_tokens - s.num_output_tokens) for s in self._running)
+        )
+
     def set_limits(self, token_budget: int, max_running: int) -> None:
         """Use this token budget and running limit from the next step, within the maxima."""
         if min(token_budget, max_running) < 1:

@@ -276,17 +276,10 @@ class LLMEngine(EngineFront):
     ) -> None:
         num_tokens = batch.num_batched_tokens
         predicted_s = budget.model.predict(num_tokens) if budget.model.is_ready else None
-        scheduler = self.scheduler
-        record = StepRecord(
-            num_prefill_tokens=num_tokens - num_decode_tokens,
-            num_decode_tokens=num_decode_tokens,
-            step_s=step_s,
-            num_running=scheduler.num_running,
-            num_decoding=scheduler.num_decoding,
-            num_queued_tokens=scheduler.num_queued_tokens,
+        state = budget.observe_step(
+            self._queue_record(num_tokens - num_decode_tokens, num_decode_tokens, step_s)
         )
-        state = budget.observe_step(record)
-        scheduler.set_limits(state.token_budget, state.max_running)
+        self.scheduler.set_limits(state.token_budget, state.max_running)
         if self.metrics is not None:
             self.metrics.step_observed_s.set(step_s)
             if predicted_s is not None:
@@ -384,8 +377,22 @@ class LLMEngine(EngineFront):
 
     def _publish_queue(self) -> None:
         if self.budget is not None:
-            scheduler = self.scheduler
-            self.budget.observe_queue(scheduler.num_decoding, scheduler.num_queued_tokens)
+            self.budget.observe_queue(self._queue_record())
+
+    def _queue_record(
+        self, num_prefill_tokens: int = 0, num_decode_tokens: int = 0, step_s: float = 0.0
+    ) -> StepRecord:
+        scheduler = self.scheduler
+        return StepRecord(
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decode_tokens,
+            step_s=step_s,
+            num_running=scheduler.num_running,
+            num_decoding=scheduler.num_decoding,
+            num_queued_tokens=scheduler.num_queued_tokens,
+            num_waiting=scheduler.num_waiting,
+            finish_steps=scheduler.finish_steps,
+        )
 
     def update_gauges(self) -> None:
         """Publish the scheduler's state to the gauges (and the counters' increments)."""
