@@ -154,7 +154,6 @@ def copy_with(repo: Path, dest: Path, assignments: list[str]) -> Path:
 def servers(repo: Path, args: argparse.Namespace) -> Iterator[list[Server]]:
     from adaptive_vs_static import v2_requests
 
-    texts = sentences(256, args.words, seed=1)
     logs = args.out
     with ExitStack() as stack:
         url, _ = stack.enter_context(serving(repo, args.src.resolve(), logs / "shipped.log"))
@@ -165,18 +164,21 @@ def servers(repo: Path, args: argparse.Namespace) -> Iterator[list[Server]]:
             copy = copy_with(repo, args.out / f"repo{i}", assignments.split(","))
             url, _ = stack.enter_context(serving(copy, args.src.resolve(), logs / f"v{i}.log"))
             out.append(Server(name, url, v2_requests(url, 256, args.words)))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        command = [
-            sys.executable,
-            "-c",
-            bare_app(args.split),
-            str(repo / "minilm" / "1"),
-            str(port),
-        ]
-        stack.enter_context(bare_server(command, f"{url}/health", logs / "bare.log"))
-        out.append(Server(BARE, url, bare_requests(url, texts)))
+        out.append(
+            stack.enter_context(bare_serving(repo, logs / "bare.log", args.words, args.split))
+        )
         yield out
+
+
+@contextmanager
+def bare_serving(repo: Path, log_path: Path, words: int, split: bool = False) -> Iterator[Server]:
+    """The bare app over repo's minilm on a free loopback port, with 256 sentences of `words`
+    words (the same texts as `v2_requests`)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-c", bare_app(split), str(repo / "minilm" / "1"), str(port)]
+    with bare_server(command, f"{url}/health", log_path):
+        yield Server(BARE, url, bare_requests(url, sentences(256, words, seed=1)))
 
 
 def point(server: Server, rate: float, seconds: float, slo: Slo, seed: int) -> PointResult:

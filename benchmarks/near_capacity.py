@@ -32,16 +32,12 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
-from adaptive_ends import Server, bare_app, bare_requests, copy_with, point
+from adaptive_ends import BARE, Server, bare_serving, copy_with, point
 from adaptive_vs_static import v2_requests
-from corpus import sentences
 from health_under_flood import serving
-from memory_at_rest import server as bare_server
 
-from fulcrum.demo import free_port
 from fulcrum.loadgen.stats import Slo
 
-BARE = "bare app"
 STATE_KEYS = ("batch_limit", "queue_bound", "batch_error", "caution", "late_answers",
               "arrival_margin", "shed_late", "shed_head")  # fmt: skip
 
@@ -79,12 +75,9 @@ def main() -> int:
             servers.append(Server(name, url, v2_requests(url, 256, 12)))
         rates = {s.name: [float(r) for r in args.rates.split(",")] for s in servers}
         if args.bare:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            command = [sys.executable, "-c", bare_app(), str(args.repository / "minilm" / "1"),
-                       str(port)]  # fmt: skip
-            stack.enter_context(bare_server(command, f"{url}/health", args.out / "bare.log"))
-            servers.append(Server(BARE, url, bare_requests(url, sentences(256, 12, seed=1))))
+            servers.append(
+                stack.enter_context(bare_serving(args.repository, args.out / "bare.log", 12))
+            )
             rates[BARE] = [float(r) for r in args.bare_rates.split(",")]
         for round_ in range(args.rounds):
             # Step k runs each server's k-th rate: the bare app's ramp interleaves with the others.
