@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from fulcrum.loadgen.records import STATUS_TIMEOUT, Outcome, RequestRecord
@@ -88,3 +89,89 @@ def test_steps_count_by_scheduled_time_and_widest_load_stops_at_the_first_miss()
     assert policy.widest_load() == 0.1
     assert policy.goodput_rps == pytest.approx(151 / 4.0)
     assert policy.shed == 1 and policy.timed_out == 1
+
+
+MINILM_TOML = """platform = "onnx"
+max_batch_size = 64
+
+[dynamic_batching]
+# the shipped policy
+policy = "adaptive"
+slo_p99_ms = 100
+preferred_batch_sizes = [8]
+"""
+
+
+def test_static_configs_are_told_the_slo() -> None:
+    adaptive_vs_static = importlib.import_module("adaptive_vs_static")
+    assert adaptive_vs_static.static_override(16, 5.0, 80.0) == {
+        "max_batch_size": 16,
+        "dynamic_batching": {"policy": "triton", "max_queue_delay_ms": 5.0, "slo_p99_ms": 80.0},
+    }
+    args = adaptive_vs_static.parse_args(["--no-tune", "--tune-trials", "5"])
+    assert args.no_tune and args.tune_trials == 5
+
+
+def test_tune_reads_a_copy_under_tritons_rules_and_its_winner_keeps_the_slo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fulcrum.config import load_model_config
+    from fulcrum.tuning.ranking import Trial, TrialFigures
+    from fulcrum.tuning.search_space import Candidate
+
+    static_by_tune = importlib.import_module("static_by_tune")
+    (tmp_path / "repo" / "minilm").mkdir(parents=True)
+    original = tmp_path / "repo" / "minilm" / "config.toml"
+    original.write_text(MINILM_TOML)
+    copy = static_by_tune.triton_copy(tmp_path / "repo", tmp_path / "work", "minilm")
+    assert original.read_text() == MINILM_TOML  # the user's repository is left alone
+    config = load_model_config(copy / "minilm" / "config.toml", dir_name="minilm")
+    assert config.dynamic_batching is not None
+    assert config.dynamic_batching.policy == "triton"
+    assert config.dynamic_batching.slo_p99_ms == 100
+    assert "# the shipped policy" in (copy / "minilm" / "config.toml").read_text()
+
+    figures = TrialFigures(rate_rps=300, goodput_rps=290, throughput_rps=300, rows_per_s=300,
+                           latency_ms=90, p50_ms=20, p99_ms=90)  # fmt: skip
+    winner = Trial(
+        index=4, phase="max_queue_delay_ms", figures=figures,
+        candidate=Candidate(max_batch_size=16, batching=True, max_queue_delay_ms=2.0),
+        changes={"max_batch_size": 16, "dynamic_batching.max_queue_delay_ms": 2.0},
+    )  # fmt: skip
+    seen = []
+
+    class Result:
+        def __init__(self, trial: Trial | None) -> None:
+            self.notes: list[str] = []
+            self.confirmation: list[object] = []
+            self.winner = None if trial is None else trial.index
+            self._trial = trial
+
+        def trial(self, index: int | None) -> Trial | None:
+            return None if index is None else self._trial
+
+    args = importlib.import_module("adaptive_vs_static").parse_args([])
+    monkeypatch.setattr(static_by_tune, "run_tune", lambda o: seen.append(o) or Result(winner))
+    found = static_by_tune.tuned_static("http://127.0.0.1:1", copy, "minilm", args, 200.0)
+    assert seen[0].only == static_by_tune.DIMENSIONS and seen[0].slos == ("p99=100ms",)
+    assert seen[0].search_start_rps == 100.0  # from half the capacity
+    assert found is not None
+    label, override = found
+    assert "b=16" in label and "d=2ms" in label
+    # The whole [dynamic_batching] table goes with the change: Triton's rules and the SLO stay.
+    assert override == {
+        "max_batch_size": 16,
+        "dynamic_batching": {
+            **override["dynamic_batching"],
+            "policy": "triton",
+            "slo_p99_ms": 100.0,
+            "max_queue_delay_ms": 2.0,
+            "preferred_batch_sizes": (8,),  # msgspec.to_builtins of the file
+        },
+    }
+    # Nothing held the SLO, or tune kept the file's config: no policy of its own.
+    monkeypatch.setattr(static_by_tune, "run_tune", lambda o: Result(None))
+    assert static_by_tune.tuned_static("http://127.0.0.1:1", copy, "minilm", args, 200.0) is None
+    kept = msgspec.structs.replace(winner, changes={})
+    monkeypatch.setattr(static_by_tune, "run_tune", lambda o: Result(kept))
+    assert static_by_tune.tuned_static("http://127.0.0.1:1", copy, "minilm", args, 200.0) is None
