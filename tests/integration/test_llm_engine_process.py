@@ -88,6 +88,22 @@ async def _collect(engine: AsyncLLMEngine, prompt: str, sampling: SamplingParams
     ]
 
 
+def _without_logprobs(collected: list[object]) -> list[object]:
+    return [collected[0], collected[1], collected[3]]
+
+
+def _logprobs(collected: list[object]) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
+    return collected[2]  # type: ignore[return-value]
+
+
+def _logprob_ids(collected: list[object]) -> list[tuple[int, list[int]]]:
+    return [(token, [t for t, _ in top]) for token, _, top in _logprobs(collected)]
+
+
+def _logprob_values(collected: list[object]) -> list[float]:
+    return [v for _, value, top in _logprobs(collected) for v in (value, *(x for _, x in top))]
+
+
 async def test_same_outputs_as_the_thread_and_metrics_relayed(version_dir: Path) -> None:
     cases = [
         ("Hello there", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
@@ -112,7 +128,14 @@ async def test_same_outputs_as_the_thread_and_metrics_relayed(version_dir: Path)
     engine, client = await _process_engine(version_dir, registry)
     assert engine.is_healthy and client.pid != os.getpid()
     got = await asyncio.gather(*(_collect(engine, p, s) for p, s in cases))
-    assert got == expected
+    # Tokens, text, finish reason and usage are exact. Log-probabilities agree to float32
+    # rounding only: the two engines' steps batch the five requests differently (their timing
+    # differs), and a batch's shape changes the last bits of a matmul (seen in CI: -4.3125
+    # against -4.3124995).
+    assert [_without_logprobs(g) for g in got] == [_without_logprobs(e) for e in expected]
+    for g, e in zip(got, expected, strict=True):
+        assert _logprob_ids(g) == _logprob_ids(e)
+        assert _logprob_values(g) == pytest.approx(_logprob_values(e), abs=1e-4)
     num_tokens = sum(len(e[0][1]) for e in expected)  # type: ignore[index]
     value = registry.get_sample_value
     assert value("fulcrum_llm_generation_tokens_total", LABELS) == num_tokens
