@@ -95,7 +95,9 @@ def add_ends_args(parser: argparse.ArgumentParser) -> None:
         default=0.08,
         help="stop bisecting when the bracket is within this share of its top (finer: more steps)",
     )
-    add("--capacity", type=float, help="capacity, req/s (default: measured, Triton's rules)")
+    add("--capacity", type=float,
+        help="capacity, req/s (default: measured; minilm under Triton's rules, --llm by a "
+             "closed loop of --llm-clients streams)")  # fmt: skip
     add("--idle-s", type=float, default=30.0, help="seconds of idle CPU measured (0: skip)")
     add("--split", action="store_true",
         help="the bare app also answers a Server-Timing header (tokenize, compute, total), so "

@@ -175,3 +175,13 @@ def test_tune_reads_a_copy_under_tritons_rules_and_its_winner_keeps_the_slo(
     kept = msgspec.structs.replace(winner, changes={})
     monkeypatch.setattr(static_by_tune, "run_tune", lambda o: Result(kept))
     assert static_by_tune.tuned_static("http://127.0.0.1:1", copy, "minilm", args, 200.0) is None
+
+
+def test_llm_overload_parses_trees_and_refuses_a_bare_path() -> None:
+    llm_overload = importlib.import_module("llm_overload")
+    args = llm_overload.parse_args(["--src", "old:/tmp/old/src", "--src", "new:src"])
+    assert args.load == 1.3 and args.config == "adaptive" and args.slo_ttft_ms == 100.0
+    assert [name for name, _ in llm_overload.trees(args)] == ["old", "new"]
+    assert llm_overload.trees(llm_overload.parse_args([]))[0][0] == "tree"
+    with pytest.raises(SystemExit, match="NAME:PATH"):
+        llm_overload.trees(llm_overload.parse_args(["--src", "/tmp/old/src"]))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from fulcrum.errors import ConfigError, Shed
-from fulcrum.llm.budget import HEADROOM, BudgetState, StepRecord, TokenBudget
+from fulcrum.llm.budget import HEADROOM, WAIT_MARGIN, BudgetState, StepRecord, TokenBudget
 from fulcrum.llm.params import EngineParams
 from fulcrum.llm.step_model import SHIFT_RUN, StepTimeModel
 
@@ -200,6 +200,35 @@ def test_a_request_that_must_wait_for_a_running_slot_counts_that_wait() -> None:
     _full_running_set(budget, (first, second, rest, rest), num_waiting=5)
     predicted_s = budget.predicted_ttft_s(10)
     assert predicted_s is not None and predicted_s >= (second + rest) * step_s
+
+
+def test_the_wait_behind_others_is_planned_with_a_margin() -> None:
+    """First in line for a running slot, predicted within the SLO with 20% to spare: the wait,
+    planned WAIT_MARGIN times as long, is not, so it is shed (a wait that fits is admitted)."""
+    budget = _budget(slo_ttft_ms=100.0, max_num_seqs=4)
+    _run(budget, FakeMachine(), 40, num_queued_tokens=50)
+    step_s = budget.state.step_s(4 + 50)
+    assert step_s is not None
+    near, short, rest = int(0.08 / step_s), int(0.05 / step_s), int(0.3 / step_s)
+    _full_running_set(budget, (near, rest, rest, rest), num_waiting=0)
+    predicted_s = budget.predicted_ttft_s(10)
+    assert predicted_s is not None and predicted_s < 0.1 < WAIT_MARGIN * predicted_s * 0.9
+    with pytest.raises(Shed, match=r"planned at 1\.5x"):
+        budget.check_admission(10)
+    _full_running_set(budget, (short, rest, rest, rest), num_waiting=0)
+    budget.check_admission(10)  # 1.5 x ~50 ms of wait, plus its own prefill: within 100 ms
+
+
+def test_a_lone_prompt_on_an_idle_engine_is_not_refused_for_the_margin() -> None:
+    """Its own prefill, predicted within the SLO, is planned as predicted: nobody is ahead."""
+    budget = _budget(slo_ttft_ms=60.0, slo_tpot_ms=0.0)  # no TPOT SLO: the budget stays at 1024
+    _run(budget, FakeMachine(), 40, num_decoding=0, num_queued_tokens=2000)
+    budget.observe_queue(StepRecord(0, 0, 0.0, 0, 0, 0))  # the engine went idle
+    predicted_s = budget.predicted_ttft_s(1000)  # one step of 1000 tokens: ~52 ms
+    assert predicted_s is not None and predicted_s < 0.06 < WAIT_MARGIN * predicted_s
+    budget.check_admission(1000)
+    with pytest.raises(Shed):  # the same prompt behind another: two steps, over the SLO
+        budget.check_admission(1000, num_pending_tokens=1000, num_pending=1)
 
 
 def test_a_free_running_slot_means_no_wait() -> None:

@@ -20,7 +20,12 @@ cannot meet stops admissions rather than adding decodes.
 Admission. A new request's TTFT is predicted as the steps needed to prefill the prompt tokens
 ahead of it plus its own at the current budget (what the decodes leave), times the predicted step
 time; above slo_ttft_ms it is shed (errors.Shed, 503) with a Retry-After of the predicted time to
-drain the queue ahead, or admitted anyway under slo_ttft_action = "queue". Under overload the
+drain the queue ahead, or admitted anyway under slo_ttft_action = "queue". The wait behind
+others is planned WAIT_MARGIN times as long as predicted, the request's own prefill as predicted
+(so a lone request on an idle engine is never refused for the margin): step times swing 1.5x and
+more for a hundred milliseconds at a time on a shared machine, the first token still has to cross
+the HTTP front end, and under overload a longer line adds no throughput (the running slots are
+full either way), only waiting. Under overload the
 running set is full and a prompt cannot start before a running sequence ends, so the prediction
 is at least that wait plus its own prefill: the k-th request in line for a slot waits for the k-th
 running sequence to end, each at its max_tokens at the latest (`finish_steps`). Not modelled:
@@ -40,6 +45,7 @@ from fulcrum.llm.params import EngineParams
 from fulcrum.llm.step_model import StepTimeModel
 
 HEADROOM = 0.9  # the model's step time is kept under this share of slo_tpot
+WAIT_MARGIN = 1.5  # admission plans the wait behind others this many times as long as predicted
 LOW_WATER = 0.9  # grow only while the observed P99 is under this share of the SLO (= HEADROOM)
 DECREASE = 0.7  # multiplicative decrease on an SLO miss
 NUM_INCREASE_STEPS = 16  # additive increase: the full range in this many steps
@@ -166,20 +172,23 @@ class TokenBudget:
         self, num_prompt_tokens: int, num_pending_tokens: int = 0, num_pending: int = 0
     ) -> None:
         """Raise Shed (503, Retry-After: the queue's predicted drain) for a request that is
-        predicted to miss slo_ttft_ms, unless slo_ttft_action is "queue"."""
+        predicted to miss slo_ttft_ms, its wait behind others planned WAIT_MARGIN times as
+        long as predicted, unless slo_ttft_action is "queue"."""
         if self.slo_ttft_s is None or not self.shed:
             return
         state = self.state  # one snapshot: the engine thread may publish another meanwhile
         predicted_s = _ttft_s(state, num_prompt_tokens, num_pending_tokens, num_pending)
-        if predicted_s is None or predicted_s <= self.slo_ttft_s:
+        if predicted_s is None:
+            return
+        if _planned_s(state, num_prompt_tokens, predicted_s) <= self.slo_ttft_s:
             return
         num_ahead = state.num_queued_tokens + num_pending_tokens
         drain_s = max(
             _prefill_time_s(state, num_ahead) or 0.0, _slot_wait_s(state, num_pending) or 0.0
         )
         raise Shed(
-            f"predicted time to first token {predicted_s * 1000:.0f} ms exceeds "
-            f"slo_ttft_ms ({self.slo_ttft_s * 1000:.0f} ms)",
+            f"predicted time to first token {predicted_s * 1000:.0f} ms, its wait planned at "
+            f"{WAIT_MARGIN:g}x, exceeds slo_ttft_ms ({self.slo_ttft_s * 1000:.0f} ms)",
             retry_after_s=drain_s,
         )
 
@@ -231,6 +240,13 @@ def _ttft_s(
     if queued_s is None or not wait_s:
         return queued_s
     return max(queued_s, wait_s + (_prefill_time_s(state, num_prompt_tokens) or 0.0))
+
+
+def _planned_s(state: BudgetState, num_prompt_tokens: int, predicted_s: float) -> float:
+    """The TTFT admission plans for: the request's own prefill as predicted, the rest of the
+    prediction (the wait behind others) WAIT_MARGIN times as long."""
+    own_s = _prefill_time_s(state, num_prompt_tokens) or 0.0
+    return own_s + WAIT_MARGIN * max(0.0, predicted_s - own_s)
 
 
 def _slot_wait_s(state: BudgetState, num_new: int) -> float | None:
