@@ -20,17 +20,18 @@ cannot meet stops admissions rather than adding decodes.
 Admission. A new request's TTFT is predicted as the steps needed to prefill the prompt tokens
 ahead of it plus its own at the current budget (what the decodes leave), times the predicted step
 time; above slo_ttft_ms it is shed (errors.Shed, 503) with a Retry-After of the predicted time to
-drain the queue ahead, or admitted anyway under slo_ttft_action = "queue". The wait behind
-others is planned WAIT_MARGIN times as long as predicted, the request's own prefill as predicted
-(so a lone request on an idle engine is never refused for the margin): step times swing 1.5x and
-more for a hundred milliseconds at a time on a shared machine, the first token still has to cross
-the HTTP front end, and under overload a longer line adds no throughput (the running slots are
-full either way), only waiting. Under overload the
+drain the queue ahead, or admitted anyway under slo_ttft_action = "queue". Under overload the
 running set is full and a prompt cannot start before a running sequence ends, so the prediction
 is at least that wait plus its own prefill: the k-th request in line for a slot waits for the k-th
 running sequence to end, each at its max_tokens at the latest (`finish_steps`). Not modelled:
 stops before max_tokens (EOS, stop strings) and prefix-cache hits (so the prediction errs long,
 towards shedding).
+
+Admission plans the wait behind others WAIT_MARGIN times as long as predicted, and the request's
+own prefill as predicted (so a lone request on an idle engine is never refused for the margin):
+step times swing 1.5x and more for a hundred milliseconds at a time on a shared machine, the
+first token still has to cross the HTTP front end, and with the running slots full a longer line
+adds no throughput, only waiting (benchmarks/RESULTS.md, stop 42).
 """
 
 from __future__ import annotations
