@@ -23,12 +23,13 @@ from pathlib import Path
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from adaptive_llm import MODEL, LlmRunner, add_llm_args
+from adaptive_llm import BUDGETS, MODEL, LlmRunner, add_llm_args
 from adaptive_vs_static import run_async
 from health_under_flood import serving
 from load_trace import Step, arrival_times, replay
 
 from fulcrum.examples import build_tiny_llama
+from fulcrum.loadgen.stats import percentile_ms
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +67,8 @@ def one_run(repo: Path, src: Path, args: argparse.Namespace, capacity: float | N
         runner = LlmRunner(url, args, base)
         capacity = capacity or runner.capacity()
         if args.config == "adaptive":
-            override = runner.override(max_num_batched_tokens=2048, slo_ttft_ms=args.slo_ttft_ms,
+            override = runner.override(max_num_batched_tokens=max(BUDGETS),
+                                       slo_ttft_ms=args.slo_ttft_ms,
                                        slo_tpot_ms=args.slo_tpot_ms)  # fmt: skip
         else:
             override = runner.override(max_num_batched_tokens=512, slo_ttft_ms=args.slo_ttft_ms)
@@ -77,21 +79,17 @@ def one_run(repo: Path, src: Path, args: argparse.Namespace, capacity: float | N
                                timeout_s=args.timeout_s * 4))  # fmt: skip
     records = run.records
     admitted = [r for r in records if r.outcome.ok and r.ttft_s is not None]
-    ttft_ms = sorted(r.ttft_s * 1000 for r in admitted)  # type: ignore[operator]
+    ttft = runner.slos[0]  # TTFT at P99
     return {
         "capacity": capacity,
         "offered": len(records),
         "good": sum(runner.good(r) for r in records),
         "shed": sum(r.outcome.status == 503 for r in records),
         "admitted": len(admitted),
-        "late": sum(t > args.slo_ttft_ms for t in ttft_ms),
-        "ttft_p50": _pct(ttft_ms, 0.5),
-        "ttft_p99": _pct(ttft_ms, 0.99),
+        "late": sum(r.ttft_s * 1000 > ttft.bound_ms for r in admitted),  # type: ignore[operator]
+        "ttft_p50": percentile_ms(admitted, msgspec.structs.replace(ttft, percentile=50.0)),
+        "ttft_p99": percentile_ms(admitted, ttft),
     }
-
-
-def _pct(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
