@@ -20,7 +20,9 @@ config for the peak and tune's winner, (d) `policy = "adaptive"` with `slo_p99_m
 serves a copy of minilm whose file is under Triton's rules (what tune reads).
 Policies are switched by reloading the model with a config override (POST
 /v2/repository/models/minilm/load), not by restarting the server; each gets a 2 s warm-up at 30% of
-capacity after its reload.
+capacity after its reload. With --rounds N the trace is replayed N times per policy (round k with
+seed + k, the policies' order reversed every other round), and adaptive's ratios are given per
+round with their median: one replay's goodput swings by several percent on a shared machine.
 
 Per policy: goodput (answers within the SLO per second over the whole trace), the widest load
 range where 99% of requests were answered within the SLO (a 503 or a timeout counts as late),
@@ -145,9 +147,9 @@ class Runner:
         self.play([Step(0.0, self.args.warmup_s, 0.3)], capacity, seed=99)
 
     def policy(self, name: str, override: dict[str, object] | None, steps: Sequence[Step],
-               capacity: float) -> PolicyResult:  # fmt: skip
+               capacity: float, seed: int) -> PolicyResult:  # fmt: skip
         self.switch(override, capacity)
-        results = self.play(steps, capacity, self.args.seed)
+        results = self.play(steps, capacity, seed)
         state = policy_state(self.url, MODEL)
         return PolicyResult(name, override, results, steps[-1].end_s, state)
 
@@ -214,14 +216,20 @@ def run_trace(repo: Path, tmp: Path, args: argparse.Namespace) -> dict[str, obje
                              adaptive_override(args.slo_ms, args.profile)))  # fmt: skip
         else:
             print(f"adaptive does not load here, run without it: {why_not}", flush=True)
-        results = []
-        for name, override in policies:
-            print(f"trace: {name} ...", flush=True)
-            results.append(runner.policy(name, override, steps, capacity))
+        # Round k replays seed + k's arrivals for every policy, in the order reversed every
+        # other round, so that a drift of the shared machine reaches all policies alike.
+        rounds: list[list[PolicyResult]] = []
+        for k in range(args.rounds):
+            played: dict[str, PolicyResult] = {}
+            for name, override in policies if k % 2 == 0 else policies[::-1]:
+                print(f"trace (round {k + 1} of {args.rounds}): {name} ...", flush=True)
+                played[name] = runner.policy(name, override, steps, capacity, args.seed + k)
+            rounds.append([played[name] for name, _ in policies])
         reload(url, MODEL, triton)
         after = capacity_rps(url, target, args.capacity_s)
     return {"capacity_rps": capacity, "capacity_after_rps": after, "sweep": sweep,
-            "results": results, "steps": steps, "adaptive_error": why_not}  # fmt: skip
+            "results": rounds[0], "rounds": rounds, "steps": steps,
+            "adaptive_error": why_not}  # fmt: skip
 
 
 def report(found: dict[str, object], args: argparse.Namespace) -> None:
@@ -256,10 +264,37 @@ def report(found: dict[str, object], args: argparse.Namespace) -> None:
                   f"(goal >= 1.3x against the best static config)")  # fmt: skip
     for r in results:
         print(f"{r.name}: policy state after the trace: {json.dumps(r.state, default=str)}")
+    report_rounds(found["rounds"])  # type: ignore[arg-type]
     print(
         f"machine: {platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
     )
+
+
+def report_rounds(rounds: list[list[PolicyResult]]) -> None:
+    """With --rounds > 1: each policy's goodput in every round, and adaptive's ratios per round
+    (the same arrivals within a round), with their median and spread."""
+    if len(rounds) < 2:
+        return
+    print(f"\n{len(rounds)} rounds: goodput req/s (answered in SLO) per round; median")
+    print("| policy | " + " | ".join(f"round {k + 1}" for k in range(len(rounds))) + " | median |")
+    print("|---|" + "---:|" * (len(rounds) + 1))
+    offered = sum(s.offered for s in rounds[0][0].steps)
+    for i, first in enumerate(rounds[0]):
+        cells = [f"{r[i].goodput_rps:.1f} ({sum(s.good for s in r[i].steps) / offered:.0%})"
+                 for r in rounds]  # fmt: skip
+        median = float(np.median([r[i].goodput_rps for r in rounds]))
+        print(f"| {first.name} | " + " | ".join(cells) + f" | {median:.1f} |")
+    names = [r.name for r in rounds[0]]
+    if not any(name.startswith("adaptive") for name in names):
+        return
+    a = next(i for i, name in enumerate(names) if name.startswith("adaptive"))
+    statics = [i for i, name in enumerate(names) if not name.startswith(("adaptive", "no batch"))]
+    for label, pick in [(names[i], [i]) for i in statics] + [("the best static", statics)]:
+        ratios = [r[a].goodput_rps / max(max(r[i].goodput_rps for i in pick), 1e-9)
+                  for r in rounds]  # fmt: skip
+        print(f"adaptive / {label}: " + ", ".join(f"{x:.2f}x" for x in ratios)
+              + f"; median {np.median(ratios):.2f}x")  # fmt: skip
 
 
 def _fmt(value: float | None) -> str:
@@ -275,6 +310,7 @@ def save(found: dict[str, object], args: argparse.Namespace) -> None:
                          args.slo_ms, title=f"minilm, capacity {capacity:.0f} req/s")  # fmt: skip
     print(f"plot: {path}")
     data = {**found, "results": [asdict(r) for r in results], "args": vars(args)}
+    data["rounds"] = [[asdict(r) for r in played] for played in found["rounds"]]  # type: ignore[attr-defined]
     data["steps"] = [asdict(s) for s in found["steps"]]  # type: ignore[attr-defined]
     (args.out / "adaptive_vs_static.json").write_text(json.dumps(data, indent=1, default=str))
 
@@ -301,6 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout-s", type=float, default=5.0, help="client timeout per request")
     add("--words", type=int, default=12, help="words per sentence")
     add("--seed", type=int, default=0)
+    add("--rounds", type=int, default=1, help="replays of the trace per policy (seed + round)")
     from adaptive_ends import add_ends_args
     from adaptive_llm import add_llm_args
 
