@@ -188,17 +188,10 @@ def run_trace(repo: Path, tmp: Path, args: argparse.Namespace) -> dict[str, obje
         # policy, whose 503s would lower a closed loop's rate).
         triton = under_triton_rules(repo / MODEL / "config.toml")
         runner.switch(triton, 20.0)
-        # The better of two: on a shared machine a neighbour only ever makes it look lower.
-        first = [capacity_rps(url, target, args.capacity_s) for _ in range(2)]
-        closed = max(first)
-        print(f"closed loop ({CAPACITY_CLIENTS} clients): {closed:.1f} req/s (of {first[0]:.1f}, "
-              f"{first[1]:.1f})", flush=True)  # fmt: skip
-        # The trace is open loop, so it is scaled to what the model sustains open loop.
-        capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
-        if capacity <= 0:
-            raise SystemExit("not even 0.2x the closed-loop rate was sustained: machine too busy")
-        print(f"capacity (shipped config, open loop): {capacity:.1f} req/s; peak {args.peak:g}x "
-              f"= {capacity * args.peak:.0f} req/s", flush=True)  # fmt: skip
+        capacity = args.capacity or measure_capacity(url, target, args)
+        print(f"capacity (shipped config, open loop{'' if not args.capacity else ', as given'}): "
+              f"{capacity:.1f} req/s; peak {args.peak:g}x = {capacity * args.peak:.0f} req/s",
+              flush=True)  # fmt: skip
         sweep = runner.sweep(capacity)
         best_batch, best_delay, _ = max(sweep, key=lambda row: row[2])
         policies: list[tuple[str, dict[str, object] | None]] = [
@@ -230,6 +223,20 @@ def run_trace(repo: Path, tmp: Path, args: argparse.Namespace) -> dict[str, obje
     return {"capacity_rps": capacity, "capacity_after_rps": after, "sweep": sweep,
             "results": rounds[0], "rounds": rounds, "steps": steps,
             "adaptive_error": why_not}  # fmt: skip
+
+
+def measure_capacity(url: str, target: V2Target, args: argparse.Namespace) -> float:
+    """The highest Poisson rate the shipped config sustains open loop (the trace is sent open
+    loop), stepped up from a closed loop's rate, the better of two: on a shared machine a
+    neighbour only ever makes it look lower."""
+    first = [capacity_rps(url, target, args.capacity_s) for _ in range(2)]
+    closed = max(first)
+    print(f"closed loop ({CAPACITY_CLIENTS} clients): {closed:.1f} req/s (of {first[0]:.1f}, "
+          f"{first[1]:.1f})", flush=True)  # fmt: skip
+    capacity = run_async(open_loop_capacity(target, url, MODEL, closed))
+    if capacity <= 0:
+        raise SystemExit("not even 0.2x the closed-loop rate was sustained: machine too busy")
+    return capacity
 
 
 def report(found: dict[str, object], args: argparse.Namespace) -> None:
