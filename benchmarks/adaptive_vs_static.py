@@ -351,7 +351,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_ends_args(parser)
     add_llm_args(parser)
     add_tune_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
